@@ -1,0 +1,1 @@
+"""Pallas kernels for jengine, each with a pure-jnp reference beside it."""

@@ -1,0 +1,94 @@
+"""Pure-jnp definition of ragged paged attention and of the KV-cache layout.
+
+This module *defines* the op that every kernel in this package must reproduce. It favours being
+obviously right over being fast: every query token gathers its sequence's whole page list.
+
+KV cache layout, one array per layer: `[2, num_kv_heads, num_pages, page_size, head_dim]`
+(index 0 = K, 1 = V). A page of one head is a contiguous `[page_size, head_dim]` tile, which is what
+a GPU program that owns one (sequence, kv-head) pair streams from HBM.
+
+Slots: token slot `s` lives in page `s // page_size` at offset `s % page_size`. A slot of -1 marks a
+padding token whose K/V must not be written anywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """Shape of one layer's KV cache array."""
+    return (2, num_kv_heads, num_pages, page_size, head_dim)
+
+
+def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatter new K/V `[T, Hkv, D]` into their slots `[T]`; slot -1 (padding) writes nothing."""
+    _, _, num_pages, page_size, _ = kv_cache.shape
+    oob = num_pages * page_size
+    slots = jnp.where(slot_mapping < 0, oob, slot_mapping)
+    page, offset = slots // page_size, slots % page_size
+    kv = jnp.stack([k, v]).astype(kv_cache.dtype)  # [2, T, Hkv, D]
+    kv = jnp.swapaxes(kv, 1, 2)  # [2, Hkv, T, D]
+    return kv_cache.at[:, :, page, offset].set(kv, mode="drop")
+
+
+def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
+    """Per query token: its sequence index `[T]`, its absolute position `[T]`, and whether it is real."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    real = t < cu_q_lens[num_seqs[0]]
+    seq = jnp.where(real, jnp.minimum(seq, kv_lens.shape[0] - 1), 0)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+    return seq, pos, real
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    kv_cache: jax.Array,  # [2, Hkv, num_pages, page_size, D]
+    kv_lens: jax.Array,  # [S] int32, total KV length of each sequence (new tokens included)
+    page_indices: jax.Array,  # [S, pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32, query span of each sequence
+    num_seqs: jax.Array,  # [1] int32, how many of the S rows are real
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """Causal attention of each query token over its own sequence's cached K/V. Returns `[T, Hq, D]`.
+
+    Token j of a sequence with q_len queries and kv_len keys sits at position kv_len - q_len + j and
+    sees keys at positions p with p <= pos (and pos - p < sliding_window when a window is given).
+    Padding tokens (beyond cu_q_lens[num_seqs]) produce zeros.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, page_size, _ = kv_cache.shape
+    group = num_q_heads // num_kv_heads
+    seq, pos, real = token_positions(cu_q_lens, kv_lens, num_seqs, num_tokens)
+
+    pages = page_indices[seq]  # [T, P]
+    k = kv_cache[0][:, pages]  # [Hkv, T, P, ps, D]
+    v = kv_cache[1][:, pages]
+    max_len = pages.shape[1] * page_size
+    k = k.reshape(num_kv_heads, num_tokens, max_len, head_dim).astype(jnp.float32)
+    v = v.reshape(num_kv_heads, num_tokens, max_len, head_dim).astype(jnp.float32)
+
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    s = jnp.einsum("tkgd,ktld->tkgl", qg, k) * sm_scale  # [T, Hkv, G, L]
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    key_pos = jnp.arange(max_len, dtype=jnp.int32)[None, :]
+    visible = (key_pos <= pos[:, None]) & (key_pos < kv_lens[seq][:, None])
+    if sliding_window is not None:
+        visible &= pos[:, None] - key_pos < sliding_window
+    visible &= real[:, None]
+    s = jnp.where(visible[:, None, None, :], s, MASK_VALUE)
+    p = jnp.exp(s - s.max(axis=-1, keepdims=True))
+    p = jnp.where(visible[:, None, None, :], p, 0.0)
+    denom = p.sum(axis=-1, keepdims=True)
+    v = jnp.where(visible[None, :, :, None], v, 0.0)  # unused slots may hold garbage (even NaN)
+    out = jnp.einsum("tkgl,ktld->tkgd", p / jnp.where(denom == 0, 1.0, denom), v)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,1 @@
+"""Model families for jengine (installed as `jengine.models`)."""
