@@ -1,0 +1,1 @@
+"""Named presets (data only), installed as `jengine.configs`."""

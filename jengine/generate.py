@@ -1,0 +1,88 @@
+"""Single-sequence prefill + greedy decode straight on the model functions.
+
+The smallest path from weights to tokens: one sequence, pages laid out in order. It exists to hold
+models to transformers (logits of a whole prompt, greedy continuations) without the engine's
+scheduler in between.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jengine.config import ModelConfig
+from jengine.kernels_pallas.ragged_paged_attention import kv_cache_shape
+from jengine.models import ModelInput, get_model_family
+
+PAGE_SIZE = 16
+
+
+def make_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE, dtype=None) -> list:
+    shape = kv_cache_shape(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [jnp.zeros(shape, dtype or cfg.dtype) for _ in range(cfg.num_hidden_layers)]
+
+
+def _sequence_input(token_ids, start: int, num_pages: int) -> ModelInput:
+    """ModelInput for tokens at positions start.. of one sequence owning pages 0..num_pages-1."""
+    n = len(token_ids)
+    positions = np.arange(start, start + n, dtype=np.int32)
+    return ModelInput(
+        token_ids=np.asarray(token_ids, np.int32),
+        positions=positions,
+        slot_mapping=positions.copy(),
+        cu_q_lens=np.array([0, n], np.int32),
+        kv_lens=np.array([start + n], np.int32),
+        page_indices=np.arange(num_pages, dtype=np.int32)[None, :],
+        num_seqs=np.array([1], np.int32),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("kv_caches",))
+def _step(params, kv_caches, inp: ModelInput, cfg: ModelConfig, all_logits: bool):
+    family = get_model_family(cfg.architecture)
+    kv_caches, hidden = family.forward(params, cfg, inp, kv_caches)
+    if not all_logits:
+        hidden = hidden[-1:]
+    return kv_caches, family.compute_logits(params, cfg, hidden)
+
+
+def _check_ids(cfg: ModelConfig, token_ids) -> list[int]:
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise ValueError("token_ids must not be empty")
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    return ids
+
+
+def prompt_logits(cfg: ModelConfig, params: dict, token_ids) -> np.ndarray:
+    """f32 logits `[len, V]` of every position of one prompt."""
+    ids = _check_ids(cfg, token_ids)
+    num_pages = -(-len(ids) // PAGE_SIZE)
+    _, logits = _step(params, make_kv_caches(cfg, num_pages), _sequence_input(ids, 0, num_pages),
+                      cfg=cfg, all_logits=True)
+    return np.asarray(logits)
+
+
+def greedy_generate(cfg: ModelConfig, params: dict, token_ids, max_new_tokens: int,
+                    stop_at_eos: bool = True) -> list[int]:
+    """Greedy continuation of one prompt: the new token ids (ending at an EOS id when it comes)."""
+    ids = _check_ids(cfg, token_ids)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    num_pages = -(-(len(ids) + max_new_tokens) // PAGE_SIZE)
+    caches = make_kv_caches(cfg, num_pages)
+    caches, logits = _step(params, caches, _sequence_input(ids, 0, num_pages), cfg=cfg, all_logits=False)
+    out = []
+    while True:
+        token = int(np.argmax(np.asarray(logits[-1])))
+        out.append(token)
+        if len(out) == max_new_tokens or (stop_at_eos and token in cfg.eos_token_ids):
+            return out
+        pos = len(ids) + len(out) - 1
+        caches, logits = _step(params, caches, _sequence_input([token], pos, num_pages), cfg=cfg,
+                               all_logits=False)

@@ -1,0 +1,118 @@
+"""The Llama family (Llama 2/3/3.x, Mistral, Qwen2, Qwen3) as pure functions of a params pytree.
+
+Params are a flat dict of arrays keyed by jengine names (`layers.3.qkv`). Every weight is declared
+once in `weight_specs` with its shape, logical axes and the Hugging Face tensors it comes from;
+random init, loading and sharding are all derived from that declaration.
+
+Q/K/V and gate/up are fused into one matmul each at load time (one weight read instead of three or two).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jengine.config import ModelConfig
+from jengine.kernels_pallas.ragged_paged_attention import ragged_paged_attention, write_kv
+from jengine.models.common import ModelInput, WeightSpec, apply_rope, rms_norm, rope_inv_freq
+
+
+def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
+    """Every parameter of the model, in jengine's names, with shape, logical axes and HF sources."""
+    h, d, inter, vocab = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+
+    def linear(axes, *sources):  # HF Linear weights: [out, in] each, fused along out
+        out = sum(shape[0] for _, shape in sources)
+        return WeightSpec((sources[0][1][1], out), axes, sources)
+
+    def vector(size, axes, name, init="ones"):
+        return WeightSpec((size,), axes, ((name, (size,)),), transpose=False, init=init)
+
+    specs = {
+        "embed": WeightSpec((vocab, h), ("vocab", "embed"), (("model.embed_tokens.weight", (vocab, h)),),
+                            transpose=False),
+        "final_norm": vector(h, ("embed",), "model.norm.weight"),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = linear(("embed", "vocab"), ("lm_head.weight", (vocab, h)))
+    for i in range(cfg.num_hidden_layers):
+        hf = f"model.layers.{i}."
+        att = hf + "self_attn."
+        qkv_sizes = {"q": q_out, "k": kv_out, "v": kv_out}
+        layer = {
+            "input_norm": vector(h, ("embed",), hf + "input_layernorm.weight"),
+            "qkv": linear(("embed", "qkv"), *((att + f"{p}_proj.weight", (n, h)) for p, n in qkv_sizes.items())),
+            "o": linear(("heads", "embed"), (att + "o_proj.weight", (h, q_out))),
+            "post_norm": vector(h, ("embed",), hf + "post_attention_layernorm.weight"),
+            "gate_up": linear(("embed", "mlp"), (hf + "mlp.gate_proj.weight", (inter, h)),
+                              (hf + "mlp.up_proj.weight", (inter, h))),
+            "down": linear(("mlp", "embed"), (hf + "mlp.down_proj.weight", (h, inter))),
+        }
+        if cfg.attention_bias:
+            layer["qkv_bias"] = WeightSpec(
+                (q_out + 2 * kv_out,), ("qkv",),
+                tuple((att + f"{p}_proj.bias", (n,)) for p, n in qkv_sizes.items()), transpose=False,
+                init="zeros")
+        if cfg.qk_norm:
+            layer["q_norm"] = vector(d, (None,), att + "q_norm.weight")
+            layer["k_norm"] = vector(d, (None,), att + "k_norm.weight")
+        specs.update({f"layers.{i}.{name}": spec for name, spec in layer.items()})
+    return specs
+
+
+def _attention(params, prefix, cfg, x, inp: ModelInput, kv_cache, cos, sin):
+    num_tokens = x.shape[0]
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qkv = x @ params[prefix + "qkv"]  # [T, (Hq + 2 Hkv) D]
+    if cfg.attention_bias:
+        qkv = qkv + params[prefix + "qkv_bias"]
+    q = qkv[:, : hq * d].reshape(num_tokens, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].reshape(num_tokens, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].reshape(num_tokens, hkv, d)
+    if cfg.qk_norm:
+        q = rms_norm(q, params[prefix + "q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, params[prefix + "k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    kv_cache = write_kv(kv_cache, k, v, inp.slot_mapping)
+    out = ragged_paged_attention(
+        q, kv_cache, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs,
+        sm_scale=d**-0.5, sliding_window=cfg.sliding_window,
+    )  # [T, Hq, D]
+    return out.reshape(num_tokens, hq * d) @ params[prefix + "o"], kv_cache
+
+
+def _mlp(params, prefix, cfg, x):
+    gate_up = x @ params[prefix + "gate_up"]  # [T, 2I]
+    gate, up = gate_up[:, : cfg.intermediate_size], gate_up[:, cfg.intermediate_size :]
+    return (jax.nn.silu(gate) * up) @ params[prefix + "down"]
+
+
+def forward(params: dict, cfg: ModelConfig, inp: ModelInput, kv_caches: list) -> tuple[list, jax.Array]:
+    """Run the decoder over a ragged batch of tokens.
+
+    Returns the updated per-layer KV caches and the final-normed hidden states `[T, H]`.
+    """
+    x = params["embed"][inp.token_ids]  # [T, H]
+    cos, sin = _rope_tables(cfg, inp.positions)
+    new_caches = []
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"layers.{i}."
+        attn, cache = _attention(params, prefix, cfg, rms_norm(x, params[prefix + "input_norm"],
+                                                                cfg.rms_norm_eps), inp, kv_caches[i], cos, sin)
+        x = x + attn
+        x = x + _mlp(params, prefix, cfg, rms_norm(x, params[prefix + "post_norm"], cfg.rms_norm_eps))
+        new_caches.append(cache)
+    return new_caches, rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Project final hidden states `[N, H]` to f32 logits `[N, V]`."""
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+
+
+def _rope_tables(cfg: ModelConfig, positions: jax.Array):
+    inv_freq, scale = rope_inv_freq(cfg.rope, cfg.head_dim)
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
