@@ -1,0 +1,343 @@
+"""On-device sampling with vLLM's semantics, one fixed-shape program for every mix of options.
+
+Host side: `build_sampling_tensors` (numpy) turns per-request rows into a `SamplingTensors` pytree of
+fixed shape ([S] per-row scalars, [S, W] penalty window, [S, B] bias table, [S, 2] key words). Nothing
+in it is None and every option has an inert value, so a request that switches top-p or penalties on
+never changes the program: only array *values* differ.
+
+Device side: `sample(logits[S, V], tensors)` applies, in vLLM's order,
+    logit_bias (+ min_tokens suppression of stop ids) -> repetition/presence/frequency penalties
+    -> [greedy rows: argmax] -> temperature -> min_p -> top_k -> top_p -> categorical draw,
+all per row in one batch.
+
+Logprobs follow vLLM's default `logprobs_mode="raw_logprobs"`: log_softmax of the model's logits
+*before* any processing (so they do not depend on temperature, penalties or filters). Pass
+`logprobs_mode="processed_logprobs"` for log_softmax of the final, filtered distribution.
+
+Randomness: each row gets its own key,
+    fold_in(fold_in(PRNGKey(seed or engine_seed), stream), step)
+with stream = 0 for seeded requests and 1 + a host-assigned per-request counter otherwise, and step =
+the request's number of generated tokens. A seeded request therefore draws the same tokens whatever
+else is in the batch and wherever its row is; keys use threefry explicitly so this holds on every
+backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jengine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, SamplingParams
+
+# Unique tokens (prompt + output) per row that penalties see; see `_apply_penalties` for why a window.
+DEFAULT_PENALTY_WINDOW = 1024
+# logit_bias entries plus min_tokens-suppressed stop ids per row.
+DEFAULT_MAX_BIAS_ENTRIES = MAX_LOGIT_BIAS_ENTRIES + 32
+# Candidates kept by the cheap top-k/top-p path (`lax.top_k`); rows needing more take a full sort.
+DEFAULT_TOP_K_CAP = 128
+
+_U32 = 0xFFFFFFFF
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling options as fixed-shape arrays. Padding id in the tables is V (out of range,
+    dropped by the scatters), so padding entries and padding rows never touch a logit."""
+
+    temperature: jax.Array  # [S] f32; 1.0 for greedy and padding rows (never divides by 0)
+    greedy: jax.Array  # [S] bool; padding rows are greedy (cheapest, inert)
+    top_k: jax.Array  # [S] int32; V when off
+    top_p: jax.Array  # [S] f32; 1.0 when off
+    min_p: jax.Array  # [S] f32; 0.0 when off
+    presence_penalty: jax.Array  # [S] f32
+    frequency_penalty: jax.Array  # [S] f32
+    repetition_penalty: jax.Array  # [S] f32; 1.0 when off
+    penalty_ids: jax.Array  # [S, W] int32; unique token ids seen in prompt or output, V = padding
+    penalty_output_counts: jax.Array  # [S, W] int32; occurrences of that id in the output
+    bias_ids: jax.Array  # [S, B] int32; unique per row, V = padding
+    bias_values: jax.Array  # [S, B] f32; -inf for min_tokens-suppressed stop ids
+    rng_key_words: jax.Array  # [S, 2] uint32; threefry key data of PRNGKey(seed or engine_seed)
+    rng_stream: jax.Array  # [S] uint32; 0 for seeded rows, 1 + per-request counter otherwise
+    rng_step: jax.Array  # [S] uint32; number of tokens the request has generated so far
+
+
+class SamplingRow(NamedTuple):
+    """What the host supplies for one request each step."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    rng_counter: int = 0  # unique per request (e.g. arrival ordinal); used only when seed is None
+
+
+class SamplerOutput(NamedTuple):
+    next_ids: jax.Array  # [S] int32
+    sampled_logprobs: jax.Array  # [S] f32, logprob of next_ids (raw or processed, see module doc)
+    topk_ids: jax.Array  # [S, MAX_LOGPROBS] int32
+    topk_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32
+
+
+# ---------------------------------------------------------------------------------------------- host
+
+
+def _seed_words(seed: int) -> tuple[int, int]:
+    """Threefry key data of `jax.random.PRNGKey(seed)` for any Python int (taken mod 2**64)."""
+    s = seed % (1 << 64)
+    return (s >> 32) & _U32, s & _U32
+
+
+def build_sampling_tensors(
+    rows: Sequence[SamplingRow | tuple],
+    num_rows_padded: int,
+    vocab_size: int,
+    *,
+    engine_seed: int = 0,
+    eos_token_ids: Sequence[int] = (),
+    penalty_window: int = DEFAULT_PENALTY_WINDOW,
+    max_bias_entries: int = DEFAULT_MAX_BIAS_ENTRIES,
+) -> SamplingTensors:
+    """Numpy `SamplingTensors` for `rows` (in batch order), padded to `num_rows_padded` inert rows.
+
+    `eos_token_ids` are suppressed (with the request's stop_token_ids) while a request has fewer
+    than `min_tokens` outputs, unless it set ignore_eos. If a row has more unique prompt+output
+    tokens than `penalty_window`, output tokens are kept first (most frequent first), then prompt
+    tokens in id order; penalties skip the rest.
+    """
+    S, V, W, B = num_rows_padded, vocab_size, penalty_window, max_bias_entries
+    if len(rows) > S:
+        raise ValueError(f"{len(rows)} rows do not fit num_rows_padded={S}")
+    f32, i32, u32 = np.float32, np.int32, np.uint32
+    temperature = np.ones(S, f32)
+    greedy = np.ones(S, bool)
+    top_k = np.full(S, V, i32)
+    top_p = np.ones(S, f32)
+    min_p = np.zeros(S, f32)
+    presence = np.zeros(S, f32)
+    frequency = np.zeros(S, f32)
+    repetition = np.ones(S, f32)
+    penalty_ids = np.full((S, W), V, i32)
+    penalty_counts = np.zeros((S, W), i32)
+    bias_ids = np.full((S, B), V, i32)
+    bias_values = np.zeros((S, B), f32)
+    key_words = np.zeros((S, 2), u32)
+    stream = np.zeros(S, u32)
+    step = np.zeros(S, u32)
+    engine_words = _seed_words(engine_seed)
+
+    for i, row in enumerate(rows):
+        p, prompt_ids, output_ids, counter = SamplingRow(*row)
+        if not p.is_greedy:
+            greedy[i] = False
+            temperature[i] = p.temperature
+            top_k[i] = p.top_k if 0 < p.top_k < V else V
+            top_p[i], min_p[i] = p.top_p, p.min_p
+        if p.uses_penalties:
+            presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+            repetition[i] = p.repetition_penalty
+            ids, counts = _penalty_window(prompt_ids, output_ids, V, W)
+            penalty_ids[i, : len(ids)], penalty_counts[i, : len(ids)] = ids, counts
+        entries: dict[int, float] = dict(p.logit_bias)
+        if len(output_ids) < p.min_tokens:
+            entries.update((t, -np.inf) for t in p.all_stop_token_ids(eos_token_ids))
+        if len(entries) > B:
+            raise ValueError(f"row {i}: {len(entries)} logit_bias/min_tokens entries exceed the cap {B}")
+        if entries:
+            bad = [t for t in entries if t >= V]
+            if bad:
+                raise ValueError(f"logit_bias/stop_token_ids contain out-of-vocab token ids {bad[:5]} (V={V})")
+            bias_ids[i, : len(entries)] = list(entries)
+            bias_values[i, : len(entries)] = list(entries.values())
+        if p.seed is not None:
+            key_words[i] = _seed_words(p.seed)
+        else:
+            key_words[i] = engine_words
+            stream[i] = (counter + 1) & _U32
+        step[i] = len(output_ids) & _U32
+
+    return SamplingTensors(
+        temperature=temperature, greedy=greedy, top_k=top_k, top_p=top_p, min_p=min_p,
+        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+        penalty_ids=penalty_ids, penalty_output_counts=penalty_counts,
+        bias_ids=bias_ids, bias_values=bias_values,
+        rng_key_words=key_words, rng_stream=stream, rng_step=step,
+    )
+
+
+def _penalty_window(prompt_ids, output_ids, V: int, W: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unique ids of prompt+output (output first, by count) with their output counts, at most W."""
+    out = np.asarray(output_ids, np.int64)
+    out_ids, out_counts = np.unique(out[(out >= 0) & (out < V)], return_counts=True)
+    order = np.argsort(-out_counts, kind="stable")
+    out_ids, out_counts = out_ids[order], out_counts[order]
+    prompt = np.asarray(prompt_ids, np.int64)
+    prompt_only = np.setdiff1d(prompt[(prompt >= 0) & (prompt < V)], out_ids)
+    ids = np.concatenate([out_ids, prompt_only])[:W]
+    counts = np.concatenate([out_counts, np.zeros(len(prompt_only), np.int64)])[:W]
+    return ids, counts
+
+
+# -------------------------------------------------------------------------------------------- device
+
+
+def _rows(S: int) -> jax.Array:
+    return jnp.arange(S)[:, None]  # [S, 1], row index for per-row scatters
+
+
+def _apply_logit_bias(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Add the bias table; ids are unique per row and padding id V is dropped."""
+    return logits.at[_rows(logits.shape[0]), t.bias_ids].add(t.bias_values, mode="drop")
+
+
+def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """vLLM's penalties on a gathered window of each row's seen tokens, scattered back.
+
+    Why a [S, W] window of unique ids with counts rather than [S, V] counts: with V ~ 150k-250k an
+    [S, V] count tensor is hundreds of MB per step to send (or a persistent device state the runner
+    must keep in sync with preemption and slot reuse); a window is S*W*8 bytes, built by the host from
+    lists it already has, and touches only W logits per row. Limit: tokens past W unique per row are
+    not penalised (the builder keeps output tokens first). Ids are unique per row, so a set-scatter is
+    exact; padding id V is dropped by the scatter.
+    """
+    S, V = logits.shape
+    ids = t.penalty_ids  # [S, W]
+    valid = ids < V
+    g = jnp.take_along_axis(logits, jnp.minimum(ids, V - 1), axis=1)  # [S, W]
+    counts = t.penalty_output_counts.astype(jnp.float32)  # [S, W]
+    rep = t.repetition_penalty[:, None]
+    # Repetition: every window token is in prompt or output; divide positive logits, multiply others.
+    new = jnp.where(g > 0, g / rep, g * rep)
+    new = new - t.frequency_penalty[:, None] * counts
+    new = new - t.presence_penalty[:, None] * (counts > 0)
+    new = jnp.where(valid, new, 0.0)
+    return logits.at[_rows(S), ids].set(new, mode="drop")
+
+
+def _apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Drop tokens whose probability is below min_p * (max probability): p_i/p_max = exp(l_i - l_max)."""
+    ratio = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [S, V]
+    return jnp.where(ratio < min_p[:, None], -jnp.inf, logits)
+
+
+def _top_k_top_p_threshold(
+    logits: jax.Array, sorted_desc: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Per-row logit threshold of top-k then top-p, from the K largest logits `sorted_desc` [S, K].
+
+    Returns (threshold [S], exact [S]): `exact` is False where K candidates cannot decide the row
+    (k > K, or the top-p nucleus extends past the K-th candidate). vLLM applies top-k first and
+    top-p on the renormalised survivors; a token is kept by top-p if the probability mass strictly
+    above it (descending order) is < p, which always keeps the top token.
+    Ties: every token equal to the threshold is kept (vLLM keeps ties for top-k, breaks them by sort
+    order for top-p).
+    """
+    S, K = sorted_desc.shape
+    V = logits.shape[1]
+    needs_k = top_k < V
+    needs_p = top_p < 1.0
+    kth = jnp.take_along_axis(sorted_desc, jnp.clip(top_k - 1, 0, K - 1)[:, None], axis=1)[:, 0]
+    thr_k = jnp.where(needs_k, kth, -jnp.inf)  # [S]
+    # Normaliser over all top-k survivors in V (not just the K candidates), so the mass is exact.
+    norm = jax.nn.logsumexp(jnp.where(logits >= thr_k[:, None], logits, -jnp.inf), axis=-1)  # [S]
+    cand = jnp.where(sorted_desc >= thr_k[:, None], sorted_desc, -jnp.inf)  # [S, K]
+    probs = jnp.exp(cand - norm[:, None])
+    cum = jnp.cumsum(probs, axis=-1)  # [S, K] inclusive
+    keep = (cum - probs) < top_p[:, None]
+    last = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)
+    thr_p = jnp.where(needs_p, jnp.take_along_axis(cand, last[:, None], axis=1)[:, 0], -jnp.inf)
+    exact = (K >= V) | ((~needs_k | (top_k <= K)) & (~needs_p | (cum[:, -1] >= top_p)))
+    return jnp.maximum(thr_k, thr_p), exact
+
+
+def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, cap: int) -> jax.Array:
+    """Mask tokens below the top-k/top-p threshold without sorting V in the common case.
+
+    Cheap path: `lax.top_k(logits, cap)` candidates. Rows the cap cannot decide (top_k > cap, or a
+    nucleus wider than cap tokens, e.g. top_p near 1 over a flat distribution) make the whole batch
+    take a full sort of V inside `lax.cond`, and only those rows use its result, so each row's output
+    depends on its own data alone. Batches with no top-k/top-p row skip both.
+    """
+    S, V = logits.shape
+    cap = min(cap, V)
+
+    def filtered() -> jax.Array:
+        cand, _ = jax.lax.top_k(logits, cap)  # [S, cap]
+        thr, exact = _top_k_top_p_threshold(logits, cand, top_k, top_p)
+        if cap < V:
+
+            def full_sort() -> jax.Array:
+                thr_full, _ = _top_k_top_p_threshold(logits, jnp.sort(logits, axis=-1, descending=True),
+                                                     top_k, top_p)
+                return jnp.where(exact, thr, thr_full)
+
+            thr = jax.lax.cond(jnp.all(exact), lambda: thr, full_sort)
+        return jnp.where(logits < thr[:, None], -jnp.inf, logits)
+
+    active = jnp.any((top_k < V) | (top_p < 1.0))
+    return jax.lax.cond(active, filtered, lambda: logits)
+
+
+def process_logits(logits: jax.Array, t: SamplingTensors, *, top_k_cap: int = DEFAULT_TOP_K_CAP) -> jax.Array:
+    """logits [S, V] -> the distribution each row samples from [S, V] (masked tokens are -inf).
+
+    For greedy rows (temperature 1, filters off) this is the biased, penalised logits, whose argmax is
+    the greedy token; filters always keep the max token, so argmax of the result is that token anyway.
+    """
+    logits = logits.astype(jnp.float32)
+    logits = _apply_logit_bias(logits, t)
+    logits = _apply_penalties(logits, t)
+    logits = logits / jnp.where(t.greedy, 1.0, t.temperature)[:, None]
+    logits = _apply_min_p(logits, t.min_p)
+    return _apply_top_k_top_p(logits, t.top_k, t.top_p, top_k_cap)
+
+
+def _row_keys(t: SamplingTensors) -> jax.Array:
+    def one(words, stream, step):
+        key = jax.random.wrap_key_data(words, impl="threefry2x32")
+        return jax.random.fold_in(jax.random.fold_in(key, stream), step)
+
+    return jax.vmap(one)(t.rng_key_words, t.rng_stream, t.rng_step)  # [S] keys
+
+
+def compute_logprobs(
+    logits: jax.Array, token_ids: jax.Array, num_logprobs: int = MAX_LOGPROBS
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Logprob of `token_ids` [N] under logits [N, V], plus the top `num_logprobs` (ids, logprobs).
+
+    Also serves prompt logprobs: pass the logits of prompt positions and the next prompt tokens.
+    Ids are ordered by descending logprob; if V < num_logprobs the tail is id -1, logprob -inf.
+    """
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [N, V]
+    chosen = jnp.take_along_axis(lp, token_ids[:, None].astype(jnp.int32), axis=1)[:, 0]  # [N]
+    n = min(num_logprobs, lp.shape[1])
+    top_lp, top_ids = jax.lax.top_k(lp, n)  # [N, n]
+    if n < num_logprobs:  # tiny vocabularies (tests): pad to the fixed width with id -1, logprob -inf
+        pad = ((0, 0), (0, num_logprobs - n))
+        top_lp = jnp.pad(top_lp, pad, constant_values=-jnp.inf)
+        top_ids = jnp.pad(top_ids, pad, constant_values=-1)
+    return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def sample(
+    logits: jax.Array,
+    t: SamplingTensors,
+    *,
+    top_k_cap: int = DEFAULT_TOP_K_CAP,
+    logprobs_mode: str = "raw_logprobs",
+) -> SamplerOutput:
+    """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
+    arguments static; the tensors' values never cause a recompilation."""
+    if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+        raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
+    processed = process_logits(logits, t, top_k_cap=top_k_cap)  # [S, V]
+    greedy_ids = jnp.argmax(processed, axis=-1)  # [S]
+    drawn = jax.vmap(jax.random.categorical)(_row_keys(t), processed)  # [S]
+    next_ids = jnp.where(t.greedy, greedy_ids, drawn).astype(jnp.int32)
+    source = logits if logprobs_mode == "raw_logprobs" else processed
+    chosen, top_ids, top_lp = compute_logprobs(source, next_ids)
+    return SamplerOutput(next_ids, chosen, top_ids, top_lp)
