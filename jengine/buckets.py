@@ -1,0 +1,101 @@
+"""Bucket shapes for the jitted step: pure functions, no state.
+
+XLA compiles one program per input shape, so the batch is padded up to one of a few sizes on each of
+two axes: T, the tokens scheduled in a step, and S, the sequences in it. Powers of two keep the
+number of programs logarithmic in the cap and the padding under half; an optional linear step above
+some size trades a few more programs for less waste on large batches. Bucket lists are plain sorted
+tuples of ints so they can live in config files.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+
+
+def make_buckets(cap: int, min_bucket: int = 1, linear_step: int | None = None) -> tuple[int, ...]:
+    """Sizes `min_bucket, 2*min_bucket, 4*min_bucket, ...`, ending exactly at `cap`.
+
+    With `linear_step`, doubling stops once a size reaches `linear_step` and sizes then grow by
+    `linear_step` (e.g. 16, 32, ..., 512, 1024, 1536, ... for linear_step=512).
+    """
+    if cap < 1 or min_bucket < 1:
+        raise ValueError(f"bucket cap and min_bucket must be >= 1, got cap={cap}, min_bucket={min_bucket}")
+    if linear_step is not None and linear_step < 1:
+        raise ValueError(f"linear_step must be >= 1 or None, got {linear_step}")
+    sizes = []
+    size = min(min_bucket, cap)
+    while size < cap:
+        sizes.append(size)
+        if linear_step is not None and size >= linear_step:
+            size += linear_step
+        else:
+            size *= 2
+    sizes.append(cap)
+    return tuple(sizes)
+
+
+def default_token_buckets(max_num_batched_tokens: int, min_bucket: int = 16,
+                          linear_step: int | None = None) -> tuple[int, ...]:
+    """Buckets for T, the tokens of one step (16, 32, ... up to max_num_batched_tokens)."""
+    return make_buckets(max_num_batched_tokens, min_bucket, linear_step)
+
+
+def default_seq_buckets(max_num_seqs: int, min_bucket: int = 8) -> tuple[int, ...]:
+    """Buckets for S, the sequences of one step (8, 16, ... up to max_num_seqs).
+
+    A padded sequence costs one empty row of metadata, so coarse buckets are cheap here.
+    """
+    return make_buckets(max_num_seqs, min_bucket)
+
+
+def normalize_buckets(values: Iterable[int], cap: int | None = None) -> tuple[int, ...]:
+    """Validate a user-given bucket list: positive ints, sorted, unique; `cap` appended if missing."""
+    sizes = sorted(set(values))
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sizes):
+        raise ValueError(f"bucket sizes must be positive integers, got {sorted(values)}")
+    if cap is not None:
+        if sizes and sizes[-1] > cap:
+            raise ValueError(f"bucket {sizes[-1]} exceeds the cap {cap}")
+        if not sizes or sizes[-1] != cap:
+            sizes.append(cap)
+    if not sizes:
+        raise ValueError("bucket list is empty")
+    return tuple(sizes)
+
+
+def pick_bucket(n: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket >= n. `buckets` must be sorted ascending."""
+    i = bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1] if buckets else None}")
+    return buckets[i]
+
+
+def padding_waste(n: int, buckets: Sequence[int]) -> float:
+    """Fraction of the padded size that is padding when `n` is rounded up to its bucket."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    bucket = pick_bucket(n, buckets)
+    return (bucket - n) / bucket
+
+
+def max_padding_waste(buckets: Sequence[int]) -> float:
+    """Worst `padding_waste` over every n from 1 to the largest bucket (just above each bucket)."""
+    worst = padding_waste(1, buckets)
+    for b in buckets[:-1]:
+        worst = max(worst, padding_waste(b + 1, buckets))
+    return worst
+
+
+def shape_pairs(token_buckets: Sequence[int], seq_buckets: Sequence[int]) -> list[tuple[int, int]]:
+    """Every (T, S) bucket pair a step can land on, for ahead-of-time compilation.
+
+    Each sequence brings at least one token, so a step padded to T has at most T sequences: S ranges
+    up to the bucket of min(T, largest S).
+    """
+    pairs = []
+    for t in token_buckets:
+        s_max = pick_bucket(min(t, seq_buckets[-1]), seq_buckets)
+        pairs.extend((t, s) for s in seq_buckets if s <= s_max)
+    return pairs
