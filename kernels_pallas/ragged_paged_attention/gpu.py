@@ -1,0 +1,236 @@
+"""Ragged paged attention for NVIDIA GPUs (Hopper first): Pallas with the Triton lowering.
+
+Work decomposition. The query tokens of each sequence are cut into blocks of `block_q` tokens; one
+program owns one (query block, kv head, kv split). Its tile is all `group` query heads of that kv head
+for its tokens, `[block_q * group, D]` rows, so each K/V page is read once per group. The list of
+query blocks is computed in jnp from `cu_q_lens` (fixed size: cdiv(T, block_q) + S + 1 entries); the
+tokens after the last real sequence form one extra "padding" segment whose programs see no keys and
+write zeros, so padding rows cost one cheap program per block and need no separate pass.
+
+Each program walks its sequence's pages `block_kv` tokens at a time (a gather of block_kv/page_size
+pages), with an online softmax in f32. Blocks wholly below the causal diagonal skip the mask. For
+small batches (decode) the key range is split over `num_kv_splits` programs whose partial results are
+merged by a log-sum-exp combine outside the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+M_INIT = -1e30  # finite, so rows that see no key keep exp2(s - m) = 0 for masked (-inf) logits
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuConfig:
+    block_q: int  # query tokens per program (rows = block_q * group)
+    block_kv: int  # keys per inner step, a multiple of page_size
+    num_kv_splits: int
+    num_warps: int
+    num_stages: int
+
+
+# Tuning table: (kind) -> settings, measured on an H200 (benchmarks/RESULTS.md). `rows` is the target
+# tile height block_q * group; block_kv is in tokens.
+TUNED = {
+    "decode": dict(rows=16, block_kv=128, num_warps=4, num_stages=3),
+    "prefill": dict(rows=128, block_kv=64, num_warps=8, num_stages=3),
+}
+NUM_SMS = 132
+
+
+def default_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, page_size: int,
+                   max_kv_len: int) -> GpuConfig:
+    """Pick tile sizes from static shapes only (so one bucket compiles one program)."""
+    kind = "decode" if num_tokens <= 2 * num_seqs else "prefill"
+    t = TUNED[kind]
+    block_q = max(1, t["rows"] // group)
+    block_kv = max(page_size, t["block_kv"] // page_size * page_size)
+    splits = 1
+    if kind == "decode":
+        # Enough programs to fill every SM twice, but no split shorter than a few blocks.
+        programs = num_seqs * num_kv_heads
+        splits = max(1, min(16, (2 * NUM_SMS) // max(programs, 1), max_kv_len // (4 * block_kv)))
+        splits = 1 << (splits.bit_length() - 1)
+    return GpuConfig(block_q, block_kv, splits, t["num_warps"], t["num_stages"])
+
+
+def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block_q: int):
+    """Query blocks `(seq, q_start, q_end)`, each `[I]` int32, I = cdiv(T, block_q) + S + 1.
+
+    seq = -1 marks the padding segment (tokens past cu_q_lens[num_seqs]) and unused entries.
+    """
+    s = cu_q_lens.shape[0] - 1
+    n = num_seqs[0]
+    idx = jnp.arange(s + 1, dtype=jnp.int32)
+    cu_next = jnp.append(cu_q_lens[1:], num_tokens)
+    seg_start = jnp.where(idx <= n, cu_q_lens, num_tokens)
+    seg_end = jnp.where(idx < n, cu_next, num_tokens)
+    seg_end = jnp.maximum(seg_end, seg_start)
+    count = (seg_end - seg_start + block_q - 1) // block_q
+    ends = jnp.cumsum(count)
+    num_items = pl.cdiv(num_tokens, block_q) + s + 1
+    i = jnp.arange(num_items, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(ends, i, side="right"), s).astype(jnp.int32)
+    local = i - (ends[seg] - count[seg])
+    used = i < ends[-1]
+    q_start = jnp.where(used, seg_start[seg] + local * block_q, 0)
+    q_end = jnp.where(used, jnp.minimum(q_start + block_q, seg_end[seg]), 0)
+    seq = jnp.where(used & (seg < n), seg, -1)
+    return seq.astype(jnp.int32), q_start.astype(jnp.int32), q_end.astype(jnp.int32)
+
+
+def _kernel(seq_ref, qs_ref, qe_ref, kv_lens_ref, cu_ref, pages_ref,  # metadata
+            q_ref, k_ref, v_ref,  # q [T, G, D] of this kv head; k/v [num_pages, page_size, D]
+            o_ref, *lse_ref,  # o [T, G, D]; with splits also lse [T, G]
+            block_q, group, block_kv, page_size, num_splits, num_items, sm_scale, soft_cap, window):
+    item = num_items - 1 - pl.program_id(0)  # last blocks of a sequence (most keys) start first
+    split = pl.program_id(2)
+    num_pages, _, head_dim = k_ref.shape
+    pages_per_seq = pages_ref.shape[1]
+    pages_per_blk = block_kv // page_size
+    rows = block_q * group
+
+    seq_raw = seq_ref[item]
+    seq = jnp.maximum(seq_raw, 0)
+    q_start, q_end = qs_ref[item], qe_ref[item]
+    kv_len = jnp.where(seq_raw >= 0, kv_lens_ref[seq], 0)
+    q_len = cu_ref[seq + 1] - cu_ref[seq]
+    first_pos = kv_len - q_len + (q_start - cu_ref[seq])  # position of the block's first token
+    n_tok = q_end - q_start
+
+    kv_hi = jnp.maximum(jnp.minimum(kv_len, first_pos + n_tok), 0)
+    kv_hi = jnp.where(n_tok > 0, kv_hi, 0)
+    kv_lo = 0 if window is None else jnp.maximum(first_pos - window + 1, 0)
+    blk_lo = kv_lo // block_kv
+    blk_hi = (kv_hi + block_kv - 1) // block_kv
+    if num_splits > 1:
+        per = (jnp.maximum(blk_hi - blk_lo, 0) + num_splits - 1) // num_splits
+        blk_lo = blk_lo + split * per
+        blk_hi = jnp.minimum(blk_lo + per, blk_hi)
+    # Blocks whose last key is at or before the first token's position need no mask.
+    blk_full = blk_lo if window is not None else jnp.clip((first_pos + 1) // block_kv, blk_lo, blk_hi)
+    blk_hi = jnp.maximum(blk_hi, blk_full)
+
+    tok_ok = jnp.arange(block_q) < n_tok
+    q_mask = jnp.broadcast_to(tok_ok[:, None, None], (block_q, group, head_dim))
+    q = plgpu.load(q_ref.at[pl.ds(q_start, block_q)], mask=q_mask, other=0.0)
+    q = q.reshape(rows, head_dim)
+    row_pos = first_pos + jnp.arange(rows) // group  # [rows]
+
+    def step(b, carry, masked):
+        acc, m, denom = carry
+        pg_ok = b * pages_per_blk + jnp.arange(pages_per_blk) < pages_per_seq
+        pg = plgpu.load(pages_ref.at[seq, pl.ds(b * pages_per_blk, pages_per_blk)], mask=pg_ok, other=0)
+        pg = jnp.clip(pg, 0, num_pages - 1)
+        k = k_ref[pg].reshape(block_kv, head_dim)
+        v = v_ref[pg].reshape(block_kv, head_dim)
+        s = plgpu.dot(q, k, trans_b=True)  # [rows, block_kv] f32
+        if soft_cap is not None:
+            s = (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
+        else:
+            s = s * (sm_scale * LOG2E)
+        if masked:
+            key_pos = b * block_kv + jnp.arange(block_kv)
+            key_ok = key_pos < kv_len
+            vis = (key_pos[None, :] <= row_pos[:, None]) & key_ok[None, :]
+            if window is not None:
+                vis &= row_pos[:, None] - key_pos[None, :] < window
+            s = jnp.where(vis, s, -jnp.inf)
+            v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))  # slots past kv_len may hold NaN
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        denom = denom * alpha + p.sum(axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return acc, m_new, denom
+
+    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), M_INIT, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    carry = jax.lax.fori_loop(blk_lo, blk_full, functools.partial(step, masked=False), carry)
+    acc, m, denom = jax.lax.fori_loop(blk_full, blk_hi, functools.partial(step, masked=True), carry)
+
+    out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
+    o_mask = jnp.broadcast_to(tok_ok[:, None, None], (block_q, group, head_dim))
+    plgpu.store(o_ref.at[pl.ds(q_start, block_q)], out.reshape(block_q, group, head_dim).astype(o_ref.dtype),
+                mask=o_mask)
+    if num_splits > 1:
+        lse = jnp.where(denom > 0.0, m + jnp.log2(jnp.where(denom > 0.0, denom, 1.0)), -jnp.inf)
+        plgpu.store(lse_ref[0].at[pl.ds(q_start, block_q)], lse.reshape(block_q, group),
+                    mask=jnp.broadcast_to(tok_ok[:, None], (block_q, group)))
+
+
+def _merge_splits(o, lse):
+    """o [N, T, Hkv, G, D] f32 normalised per split, lse [N, T, Hkv, G] (base 2) -> [T, Hkv, G, D]."""
+    top = lse.max(axis=0)
+    w = jnp.where(jnp.isfinite(lse), jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    den = w.sum(axis=0)
+    return (w[..., None] * o).sum(axis=0) / jnp.where(den == 0.0, 1.0, den)[..., None]
+
+
+def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                               sliding_window=None, soft_cap=None, config: GpuConfig | None = None,
+                               interpret=False):
+    """Same contract as `reference.ragged_paged_attention`; inputs are assumed validated."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
+    num_seqs_max, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    if config is None:
+        config = default_config(num_tokens, num_seqs_max, num_kv_heads, group, page_size,
+                                pages_per_seq * page_size)
+    # Triton tiles need power-of-two sides: pad the group with zero query heads if it is not.
+    group_p = 1 << (group - 1).bit_length()
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    if group_p != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
+    block_q = max(1, config.block_q * group // group_p)
+    seq, q_start, q_end = work_items(cu_q_lens, num_seqs, num_tokens, block_q)
+    num_items = seq.shape[0]
+    splits = config.num_kv_splits
+
+    kernel = functools.partial(
+        _kernel, block_q=block_q, group=group_p, block_kv=config.block_kv, page_size=page_size,
+        num_splits=splits, num_items=num_items, sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        window=None if sliding_window is None else int(sliding_window))
+
+    def whole(x):
+        return pl.BlockSpec(x.shape, lambda i, h, s: (0,) * x.ndim)
+
+    meta = (seq, q_start, q_end, kv_lens, cu_q_lens, page_indices)
+    in_specs = [whole(x) for x in meta] + [
+        pl.BlockSpec((num_tokens, None, group_p, head_dim), lambda i, h, s: (0, h, 0, 0)),
+        pl.BlockSpec((None, None, num_pages, page_size, head_dim), lambda i, h, s: (0, h, 0, 0, 0)),
+        pl.BlockSpec((None, None, num_pages, page_size, head_dim), lambda i, h, s: (1, h, 0, 0, 0)),
+    ]
+    o_shape = (num_tokens, num_kv_heads, group_p, head_dim)
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct(o_shape, q.dtype)
+        out_specs = pl.BlockSpec((num_tokens, None, group_p, head_dim), lambda i, h, s: (0, h, 0, 0))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((splits, *o_shape), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, *o_shape[:-1]), jnp.float32))
+        out_specs = (
+            pl.BlockSpec((None, num_tokens, None, group_p, head_dim), lambda i, h, s: (s, 0, h, 0, 0)),
+            pl.BlockSpec((None, num_tokens, None, group_p), lambda i, h, s: (s, 0, h, 0)),
+        )
+    res = pl.pallas_call(
+        kernel,
+        grid=(num_items, num_kv_heads, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(*meta, qg, kv_cache, kv_cache)
+    out = res if splits == 1 else _merge_splits(*res).astype(q.dtype)
+    return out[:, :, :group].reshape(num_tokens, num_q_heads, head_dim)
