@@ -334,6 +334,7 @@ def sample(
     arguments static; the tensors' values never cause a recompilation."""
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
+    assert logits.shape[0] == t.temperature.shape[0], (logits.shape, t.temperature.shape)
     processed = process_logits(logits, t, top_k_cap=top_k_cap)  # [S, V]
     greedy_ids = jnp.argmax(processed, axis=-1)  # [S]
     drawn = jax.vmap(jax.random.categorical)(_row_keys(t), processed)  # [S]

@@ -1,0 +1,228 @@
+"""Sampler: exact masks and penalties on tiny logits, seeds, statistics, padding, one compilation."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jengine.sampler import SamplingRow, build_sampling_tensors, process_logits, sample
+from jengine.sampling_params import SamplingParams as P
+
+V = 16
+
+_sample = jax.jit(sample, static_argnames=("top_k_cap", "logprobs_mode"))
+_process = jax.jit(process_logits, static_argnames=("top_k_cap",))
+
+
+def tensors(rows, S=None, **kw):
+    rows = [r if isinstance(r, SamplingRow) else SamplingRow(r, [], []) for r in rows]
+    kw.setdefault("penalty_window", 8)
+    kw.setdefault("max_bias_entries", 8)
+    return build_sampling_tensors(rows, S or len(rows), V, **kw)
+
+
+def kept(processed_row) -> set[int]:
+    return {int(i) for i in np.flatnonzero(np.isfinite(np.asarray(processed_row)))}
+
+
+def ref_filter(logits, temperature=1.0, min_p=0.0, top_k=0, top_p=1.0):
+    """vLLM's filters in numpy (sort-based, as in vllm apply_top_k_top_p), returns the kept set."""
+    x = np.asarray(logits, np.float64) / temperature
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    x = np.where(probs < min_p * probs.max(), -np.inf, x)
+    order = np.argsort(x)  # ascending
+    xs = x[order]
+    if top_k:
+        xs = np.where(xs < xs[len(xs) - top_k], -np.inf, xs)
+    if top_p < 1.0:
+        ps = np.exp(xs - xs.max())
+        ps /= ps.sum()
+        mask = np.cumsum(ps) <= 1 - top_p
+        mask[-1] = False
+        xs = np.where(mask, -np.inf, xs)
+    return {int(order[i]) for i in np.flatnonzero(np.isfinite(xs))}
+
+
+def row_logits(probs):
+    out = np.full(V, -30.0, np.float32)
+    out[: len(probs)] = np.log(probs)
+    return out
+
+
+PROBS = [0.5, 0.25, 0.15, 0.1]
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (dict(top_k=1), {0}),
+        (dict(top_k=3), {0, 1, 2}),
+        (dict(top_p=0.45), {0}),
+        (dict(top_p=0.55), {0, 1}),
+        (dict(top_p=0.8), {0, 1, 2}),
+        # top-k first, then top-p on the renormalised survivors (2/3, 1/3): 0.6 keeps only token 0
+        (dict(top_k=2, top_p=0.6), {0}),
+        (dict(min_p=0.25), {0, 1, 2}),  # p >= 0.125
+        (dict(min_p=0.6), {0}),
+        (dict(min_p=0.25, temperature=2.0), {0, 1, 2, 3}),  # temperature before min_p flattens
+    ],
+)
+def test_filter_masks_exact_on_small_logits(params, expected):
+    logits = np.stack([row_logits(PROBS)] * 2)
+    out = _process(logits, tensors([P(**params), P()]), top_k_cap=4)
+    assert kept(out[0]) == expected
+    assert kept(out[1]) == set(range(V))  # the other row is untouched
+
+
+@pytest.mark.parametrize("cap", [4, V])
+def test_filters_match_reference_including_rows_past_the_cap(cap):
+    rng = np.random.RandomState(0)
+    logits = (rng.randn(6, V) * np.array([[0.1], [3], [1], [1], [0.3], [2]])).astype(np.float32)
+    params = [
+        dict(top_p=0.95),  # near-flat row: nucleus wider than cap -> full-sort path
+        dict(top_k=10),  # k > cap
+        dict(top_k=3, top_p=0.7),
+        dict(min_p=0.1, top_p=0.9, temperature=0.7),
+        dict(top_k=12, top_p=0.99, temperature=1.5),
+        dict(),
+    ]
+    out = np.asarray(_process(logits, tensors([P(**p) for p in params]), top_k_cap=cap))
+    for i, p in enumerate(params):
+        assert kept(out[i]) == ref_filter(logits[i], **p), p
+        # a row's result is the same alone (no other row forcing or skipping the full sort)
+        alone = _process(logits[i : i + 1], tensors([P(**p)]), top_k_cap=cap)
+        np.testing.assert_array_equal(np.asarray(alone)[0], out[i])
+
+
+def test_penalties_exact():
+    logits = np.array([[2.0, -1.0, 3.0, -2.0, 0.5] + [0.0] * (V - 5)], np.float32)
+    p = P(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, temperature=0)
+    # prompt has tokens 0 and 1, output has 2 twice and 3 once; token 4 unseen
+    out = np.asarray(_process(logits, tensors([SamplingRow(p, [0, 1], [2, 3, 2])]), top_k_cap=4))[0]
+    expected = logits[0].copy()
+    expected[0] = 2.0 / 2  # prompt only: repetition (positive -> divide)
+    expected[1] = -1.0 * 2  # prompt only: repetition (negative -> multiply)
+    expected[2] = 3.0 / 2 - 0.5 - 0.25 * 2
+    expected[3] = -2.0 * 2 - 0.5 - 0.25 * 1
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-6)
+
+
+def test_penalty_window_keeps_output_tokens_first():
+    p = P(frequency_penalty=1.0)
+    t = tensors([SamplingRow(p, [5, 6, 7, 8], [9, 9, 4])], penalty_window=3)
+    assert t.penalty_ids[0].tolist() == [9, 4, 5]
+    assert t.penalty_output_counts[0].tolist() == [2, 1, 0]
+
+
+def test_logit_bias_and_greedy_argmax():
+    logits = np.stack([row_logits(PROBS)] * 2)
+    t = tensors([P(temperature=0, logit_bias={3: 5.0, 0: -100}), P(temperature=0)])
+    out = np.asarray(_process(logits, t, top_k_cap=4))
+    np.testing.assert_allclose(out[0, [0, 3]], logits[0, [0, 3]] + [-100, 5.0], atol=1e-6)
+    np.testing.assert_array_equal(out[0, 1:3], logits[0, 1:3])
+    ids = np.asarray(_sample(logits, t, top_k_cap=4).next_ids)
+    assert ids.tolist() == [3, 0]
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():
+    logits = np.stack([row_logits([0.1, 0.2, 0.7])] * 3)
+    eos = (2,)
+    rows = [
+        SamplingRow(P(temperature=0, min_tokens=2, stop_token_ids=[1]), [], [5]),  # 1 output < 2
+        SamplingRow(P(temperature=0, min_tokens=2), [], [5, 5]),  # reached
+        SamplingRow(P(temperature=0, min_tokens=2, ignore_eos=True), [], []),  # eos allowed
+    ]
+    out = np.asarray(_process(logits, tensors(rows, eos_token_ids=eos), top_k_cap=4))
+    assert np.isneginf(out[0, [1, 2]]).all() and np.isfinite(out[0, 0])
+    assert np.asarray(_sample(logits, tensors(rows, eos_token_ids=eos)).next_ids).tolist() == [0, 2, 2]
+
+
+def test_out_of_vocab_logit_bias_is_rejected():
+    with pytest.raises(ValueError, match="out-of-vocab"):
+        tensors([P(logit_bias={V: 1.0})])
+
+
+def test_seeded_request_is_independent_of_batch_composition_and_position():
+    rng = np.random.RandomState(1)
+    base = rng.randn(V).astype(np.float32)
+    seeded = P(seed=1234, top_p=0.95)
+
+    def run(position, others, steps=8):
+        ids = []
+        for step in range(steps):
+            rows = [SamplingRow(o, [1], [0] * step, 50 + j) for j, o in enumerate(others)]
+            rows.insert(position, SamplingRow(seeded, [1], [0] * step))
+            logits = np.concatenate([base[None], rng.randn(7, V).astype(np.float32)])
+            logits[[0, position]] = logits[[position, 0]]
+            ids.append(int(_sample(logits, tensors(rows, S=8), top_k_cap=4).next_ids[position]))
+        return ids
+
+    a = run(0, [])
+    b = run(3, [P(), P(temperature=0), P(top_k=2), P(seed=7, top_p=0.5)])
+    c = run(5, [P(top_k=12), P(min_p=0.2), P(repetition_penalty=1.5), P(), P(seed=1)])
+    assert a == b == c
+    assert len(set(a)) > 1  # the step is folded in: draws differ from step to step
+
+
+def test_unseeded_requests_with_different_counters_draw_differently():
+    logits = np.zeros((8, V), np.float32)
+    rows = [SamplingRow(P(), [], [], counter) for counter in range(8)]
+    ids = np.asarray(_sample(logits, tensors(rows)).next_ids)
+    assert len(set(ids.tolist())) > 2
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampled_frequencies_match_softmax(temperature):
+    n = 4000
+    probs = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
+    logits = np.tile(row_logits(probs), (n, 1))
+    rows = [SamplingRow(P(temperature=temperature), [], [], c) for c in range(n)]
+    ids = np.asarray(_sample(logits, tensors(rows), top_k_cap=4).next_ids)
+    freq = np.bincount(ids, minlength=V)[: len(probs)] / n
+    target = probs ** (1 / temperature) / np.sum(probs ** (1 / temperature))
+    np.testing.assert_allclose(freq, target, atol=0.03)  # ~4 sigma at n=4000
+    assert np.bincount(ids, minlength=V)[len(probs) :].sum() <= 2  # -30 logits are ~never drawn
+
+
+def test_padding_rows_are_inert_even_with_nan_logits():
+    rng = np.random.RandomState(2)
+    real = [P(seed=3, top_p=0.9), P(top_k=2, repetition_penalty=1.3)]
+    rows = [SamplingRow(p, [1, 2], [3], 9 + i) for i, p in enumerate(real)]
+    logits = rng.randn(2, V).astype(np.float32)
+    want = _sample(logits, tensors(rows), top_k_cap=4)
+    padded = np.concatenate([logits, np.full((2, V), np.nan, np.float32)])
+    got = _sample(padded, tensors(rows, S=4), top_k_cap=4)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g)[:2], np.asarray(w))
+
+
+def test_logprobs_are_raw_by_default_and_processed_on_request():
+    logits = np.stack([row_logits(PROBS)] * 2)
+    t = tensors([P(temperature=0.5, top_k=2, seed=0), P(temperature=0)])
+    raw = _sample(logits, t, top_k_cap=4)
+    lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    ids = np.asarray(raw.next_ids)
+    np.testing.assert_allclose(np.asarray(raw.sampled_logprobs), lp[[0, 1], ids], atol=1e-6)
+    assert np.asarray(raw.topk_ids)[0, :4].tolist() == [0, 1, 2, 3]
+    assert raw.topk_ids.shape == raw.topk_logprobs.shape == (2, 20)
+    proc = _sample(logits, t, top_k_cap=4, logprobs_mode="processed_logprobs")
+    assert np.isneginf(np.asarray(proc.topk_logprobs)[0, 2])  # top-k=2 removed the third token
+    np.testing.assert_allclose(np.exp(np.asarray(proc.topk_logprobs)[0, :2]), [0.8, 0.2], atol=1e-5)
+
+
+def test_one_compilation_serves_every_option_mix():
+    fn = jax.jit(functools.partial(sample, top_k_cap=4))
+    rng = np.random.RandomState(3)
+    mixes = [
+        [P(), P(), P()],
+        [P(temperature=0), P(seed=5), P(top_k=3, top_p=0.8)],
+        [P(repetition_penalty=1.2, presence_penalty=1, frequency_penalty=-1), P(min_p=0.3), P(top_p=0.99)],
+        [P(logit_bias={1: 3.0}, min_tokens=4), P(top_k=15, temperature=3.0), P(temperature=0)],
+    ]
+    for mix in mixes:
+        rows = [SamplingRow(p, [1, 2], [4, 4], i) for i, p in enumerate(mix)]
+        fn(jnp.asarray(rng.randn(4, V), jnp.float32), tensors(rows, S=4, eos_token_ids=(2,)))
+    assert fn._cache_size() == 1
