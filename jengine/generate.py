@@ -25,14 +25,26 @@ def make_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE,
     return [jnp.zeros(shape, dtype or cfg.dtype) for _ in range(cfg.num_hidden_layers)]
 
 
+def _bucket(n: int) -> int:
+    """Power-of-two padding (at least one page) so few shapes get compiled."""
+    return max(PAGE_SIZE, 1 << (n - 1).bit_length())
+
+
 def _sequence_input(token_ids, start: int, num_pages: int) -> ModelInput:
-    """ModelInput for tokens at positions start.. of one sequence owning pages 0..num_pages-1."""
+    """ModelInput for tokens at positions start.. of one sequence owning pages 0..num_pages-1,
+    padded to a power-of-two token count (padding tokens write nowhere)."""
     n = len(token_ids)
-    positions = np.arange(start, start + n, dtype=np.int32)
+    padded = _bucket(n)
+    positions = np.zeros(padded, np.int32)
+    positions[:n] = np.arange(start, start + n, dtype=np.int32)
+    slots = np.full(padded, -1, np.int32)
+    slots[:n] = positions[:n]
+    ids = np.zeros(padded, np.int32)
+    ids[:n] = token_ids
     return ModelInput(
-        token_ids=np.asarray(token_ids, np.int32),
+        token_ids=ids,
         positions=positions,
-        slot_mapping=positions.copy(),
+        slot_mapping=slots,
         cu_q_lens=np.array([0, n], np.int32),
         kv_lens=np.array([start + n], np.int32),
         page_indices=np.arange(num_pages, dtype=np.int32)[None, :],
@@ -44,8 +56,8 @@ def _sequence_input(token_ids, start: int, num_pages: int) -> ModelInput:
 def _step(params, kv_caches, inp: ModelInput, cfg: ModelConfig, all_logits: bool):
     family = get_model_family(cfg.architecture)
     kv_caches, hidden = family.forward(params, cfg, inp, kv_caches)
-    if not all_logits:
-        hidden = hidden[-1:]
+    if not all_logits:  # only the last real token's logits
+        hidden = jax.lax.dynamic_slice_in_dim(hidden, inp.cu_q_lens[1] - 1, 1)
     return kv_caches, family.compute_logits(params, cfg, hidden)
 
 
@@ -62,10 +74,10 @@ def _check_ids(cfg: ModelConfig, token_ids) -> list[int]:
 def prompt_logits(cfg: ModelConfig, params: dict, token_ids) -> np.ndarray:
     """f32 logits `[len, V]` of every position of one prompt."""
     ids = _check_ids(cfg, token_ids)
-    num_pages = -(-len(ids) // PAGE_SIZE)
+    num_pages = _bucket(len(ids)) // PAGE_SIZE
     _, logits = _step(params, make_kv_caches(cfg, num_pages), _sequence_input(ids, 0, num_pages),
                       cfg=cfg, all_logits=True)
-    return np.asarray(logits)
+    return np.asarray(logits)[: len(ids)]
 
 
 def greedy_generate(cfg: ModelConfig, params: dict, token_ids, max_new_tokens: int,
@@ -74,7 +86,7 @@ def greedy_generate(cfg: ModelConfig, params: dict, token_ids, max_new_tokens: i
     ids = _check_ids(cfg, token_ids)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    num_pages = -(-(len(ids) + max_new_tokens) // PAGE_SIZE)
+    num_pages = _bucket(len(ids) + max_new_tokens) // PAGE_SIZE
     caches = make_kv_caches(cfg, num_pages)
     caches, logits = _step(params, caches, _sequence_input(ids, 0, num_pages), cfg=cfg, all_logits=False)
     out = []
