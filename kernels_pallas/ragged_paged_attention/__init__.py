@@ -1,5 +1,100 @@
-"""Ragged paged attention: one op for decode, prefill and mixed batches."""
+"""Ragged paged attention: one op for decode, prefill and mixed batches.
 
-from .reference import kv_cache_shape, ragged_paged_attention, write_kv
+`ragged_paged_attention` is the one place that chooses an implementation: the Pallas GPU kernel on
+GPUs, the Pallas TPU kernel on TPUs, the pure-jnp reference elsewhere (CPU). `impl=` overrides the
+choice and `interpret=True` runs a Pallas kernel in interpret mode (tests on CPU).
+"""
 
-__all__ = ["kv_cache_shape", "ragged_paged_attention", "write_kv"]
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import reference
+from .reference import kv_cache_shape, write_kv
+
+__all__ = ["kv_cache_shape", "ragged_paged_attention", "write_kv", "IMPLS"]
+
+IMPLS = ("gpu", "tpu", "reference")
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _default_impl() -> str:
+    backend = jax.default_backend()
+    return {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}.get(backend, "reference")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"ragged_paged_attention: `{name}` {message}")
+
+
+def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
+                    soft_cap) -> None:
+    """Static checks (shapes, dtypes, options); raises ValueError naming the offending argument."""
+    _check(q.ndim == 3, "q", f"must be [T, Hq, D], got shape {q.shape}")
+    _check(kv_cache.ndim == 5 and kv_cache.shape[0] == 2, "kv_cache",
+           f"must be [2, Hkv, num_pages, page_size, D], got shape {kv_cache.shape}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, page_size, kv_dim = kv_cache.shape
+    _check(any(q.dtype == d for d in _FLOAT_DTYPES), "q", f"must be float32/bfloat16/float16, got {q.dtype}")
+    _check(kv_cache.dtype == q.dtype, "kv_cache", f"dtype {kv_cache.dtype} must match q's {q.dtype}")
+    _check(kv_dim == head_dim, "kv_cache", f"head_dim {kv_dim} must match q's head_dim {head_dim}")
+    _check(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0, "q",
+           f"has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} kv heads")
+    _check(page_indices.ndim == 2, "page_indices", f"must be [S, pages_per_seq], got shape {page_indices.shape}")
+    num_seqs_max = page_indices.shape[0]
+    _check(kv_lens.shape == (num_seqs_max,), "kv_lens", f"must be [S={num_seqs_max}], got shape {kv_lens.shape}")
+    _check(cu_q_lens.shape == (num_seqs_max + 1,), "cu_q_lens",
+           f"must be [S + 1={num_seqs_max + 1}], got shape {cu_q_lens.shape}")
+    _check(num_seqs.shape == (1,), "num_seqs", f"must be [1], got shape {num_seqs.shape}")
+    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
+                    ("num_seqs", num_seqs)):
+        _check(x.dtype == jnp.int32, name, f"must be int32, got {x.dtype}")
+    _check(num_tokens > 0 and num_seqs_max > 0, "q", "needs at least one token row and one sequence row")
+    _check(page_size > 0 and page_size & (page_size - 1) == 0, "kv_cache",
+           f"page_size {page_size} must be a power of two")
+    _check(isinstance(sm_scale, (int, float)) and sm_scale > 0, "sm_scale", f"must be a positive float, got {sm_scale}")
+    _check(sliding_window is None or (isinstance(sliding_window, int) and sliding_window > 0), "sliding_window",
+           f"must be None or a positive int, got {sliding_window}")
+    _check(soft_cap is None or (isinstance(soft_cap, (int, float)) and soft_cap > 0), "soft_cap",
+           f"must be None or a positive float, got {soft_cap}")
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    kv_cache: jax.Array,  # [2, Hkv, num_pages, page_size, D]
+    kv_lens: jax.Array,  # [S] int32
+    page_indices: jax.Array,  # [S, pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    impl: str | None = None,
+    interpret: bool = False,
+    config=None,
+) -> jax.Array:
+    """Causal ragged paged attention (contract: `reference.ragged_paged_attention`). Returns `[T, Hq, D]`.
+
+    impl: "gpu", "tpu" or "reference"; None picks by `jax.default_backend()`.
+    interpret: run the chosen Pallas kernel in interpret mode (CPU tests).
+    config: a tuning override for the chosen kernel (`gpu.GpuConfig` / `tpu.TpuConfig`), else the table.
+    """
+    validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+    impl = _default_impl() if impl is None else impl
+    if impl not in IMPLS:
+        raise ValueError(f"ragged_paged_attention: `impl` must be one of {IMPLS} or None, got {impl!r}")
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if impl == "reference":
+        return reference.ragged_paged_attention(*args, **kw)
+    if impl == "gpu":
+        from .gpu import ragged_paged_attention_gpu
+
+        return ragged_paged_attention_gpu(*args, **kw, config=config, interpret=interpret)
+    from .tpu import ragged_paged_attention_tpu
+
+    return ragged_paged_attention_tpu(*args, **kw, config=config, interpret=interpret)

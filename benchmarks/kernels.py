@@ -1,0 +1,183 @@
+"""Ragged paged attention kernel benchmark: decode, prefill and mixed batches.
+
+Prints µs, TB/s of KV read and TFLOP/s per shape, and for decode the same shape through JAX's bundled
+Pallas GPU `paged_attention` as a ratio (same run). `--check` first holds the kernel to the reference
+on the device. Example (one H200):
+
+    python benchmarks/kernels.py --check --mode decode --batch 64 --ctx 2048 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jengine.kernels_pallas.ragged_paged_attention import gpu as gpu_kernel
+from jengine.kernels_pallas.ragged_paged_attention import ragged_paged_attention, reference
+
+HQ, HKV, D = 32, 8, 128
+
+
+def make_batch(key, q_lens, kv_lens, *, page_size, dtype, hq=HQ, hkv=HKV, d=D):
+    """Random q, a cache holding exactly the sequences' pages (randomly permuted), and the metadata."""
+    s = len(q_lens)
+    need = [-(-k // page_size) for k in kv_lens]
+    pages_per_seq = max(need)
+    num_pages = sum(need) + 1
+    perm = np.random.default_rng(0).permutation(num_pages)
+    table = np.zeros((s, pages_per_seq), np.int32)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[start:start + n]
+        start += n
+    k1, k2 = jax.random.split(key)
+    cache = jax.random.normal(k1, reference.kv_cache_shape(num_pages, page_size, hkv, d), dtype)
+    q = jax.random.normal(k2, (sum(q_lens), hq, d), dtype)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return (q, cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(table), jnp.asarray(cu),
+            jnp.asarray([s], jnp.int32))
+
+
+def workload(mode, batch, ctx):
+    """(q_lens, kv_lens) of one benchmark shape."""
+    if mode == "decode":
+        return [1] * batch, [ctx] * batch
+    if mode == "prefill":
+        return [ctx] * batch, [ctx] * batch
+    chunk = min(512, ctx)  # mixed: batch-1 decodes plus one prefill chunk at the end of a ctx prompt
+    return [1] * (batch - 1) + [chunk], [ctx] * batch
+
+
+def counts(q_lens, kv_lens, hq=HQ, hkv=HKV, d=D, itemsize=2):
+    """Bytes of KV that must be read once, and the attention FLOPs (causal, visible keys only)."""
+    kv_bytes = sum(kv_lens) * hkv * d * 2 * itemsize
+    visible = sum(q * k - q * (q - 1) // 2 for q, k in zip(q_lens, kv_lens))
+    return kv_bytes, 4 * d * hq * visible
+
+
+def bench(fn, args, iters, reps=5):
+    """Median µs per call of `fn(*args)`, calls issued back to back `iters` at a time."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(times)
+
+
+def bundled_decode(q, cache, kv_lens, table, page_size):
+    """JAX's bundled Pallas GPU paged_attention on the same decode batch (its own layout = ours, split K/V)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as bundled
+    pages = table.shape[1]
+    k_splits = max(s for s in (1, 2, 4, 8, 16) if pages % s == 0)
+    ppcb = max(p for p in (1, 2, 4, 8) if (pages // k_splits) % p == 0)
+    fn = jax.jit(lambda q, c, lens, t: bundled.paged_attention(
+        q, c[0], c[1], t, lens, k_splits=k_splits, pages_per_compute_block=ppcb))
+    return fn, (q, cache, kv_lens, table)
+
+
+def check(dtype, page_size):
+    """Kernel vs reference on small random ragged batches, on the default device."""
+    rng = np.random.default_rng(1)
+    worst = 0.0
+    for q_lens, kv_lens, kw in [
+        ([1, 1, 1, 1], [1, 16, 17, 300], {}),
+        ([37, 1, 128, 5], [37, 64, 200, 5], {}),
+        ([1, 70, 1], [500, 90, 33], dict(sliding_window=40, soft_cap=30.0)),
+    ]:
+        args = make_batch(jax.random.key(int(rng.integers(1 << 30))), q_lens, kv_lens, page_size=page_size,
+                          dtype=dtype)
+        for cfg in (None, gpu_kernel.GpuConfig(4, 64, 4, 4, 2)):
+            out = ragged_paged_attention(*args, sm_scale=D**-0.5, impl="gpu", config=cfg, **kw)
+            f32 = [a.astype(jnp.float32) if a.dtype == dtype else a for a in args]
+            ref = reference.ragged_paged_attention(*f32, sm_scale=D**-0.5, **kw)
+            err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+            worst = max(worst, err)
+            assert np.isfinite(err) and err < (2e-2 if dtype == jnp.bfloat16 else 5e-3), (q_lens, cfg, err)
+    print(f"check {jnp.dtype(dtype).name} page {page_size}: worst relative error {worst:.2e}", flush=True)
+
+
+def parse_config(text):
+    if not text:
+        return None
+    return gpu_kernel.GpuConfig(*(int(x) for x in text.split(",")))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", default="decode,prefill,mixed", help="comma list of decode,prefill,mixed")
+    p.add_argument("--batch", default="1,8,64,256")
+    p.add_argument("--ctx", default="128,2048,8192,32768")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--impl", default=None, help="gpu / tpu / reference (default: by backend)")
+    p.add_argument("--configs", default="", help="';'-separated GpuConfig overrides "
+                   "'block_q,block_kv,splits,warps,stages' to time side by side (default: the table)")
+    p.add_argument("--max-tokens", type=int, default=65536, help="skip prefill shapes with more q tokens")
+    p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-bundled", action="store_true", help="skip JAX's bundled decode kernel")
+    p.add_argument("--check", action="store_true", help="check against the reference first")
+    p.add_argument("--json", default=None, help="write results to this file")
+    a = p.parse_args(argv)
+
+    print(f"devices: {jax.devices()}", flush=True)
+    if a.check:
+        for dt in (jnp.bfloat16, jnp.float32):
+            check(dt, a.page_size)
+    configs = [parse_config(c) for c in a.configs.split(";")] if a.configs else [None]
+    rows = []
+    hdr = f"{'mode':8}{'B':>5}{'ctx':>7}  {'config':24}{'µs':>10}{'KV TB/s':>9}{'TFLOP/s':>9}{'bundled':>10}"
+    print(hdr, flush=True)
+    for mode in a.mode.split(","):
+        for b in (int(x) for x in a.batch.split(",")):
+            for ctx in (int(x) for x in a.ctx.split(",")):
+                q_lens, kv_lens = workload(mode, b, ctx)
+                kv_bytes, flops = counts(q_lens, kv_lens)
+                if sum(q_lens) > a.max_tokens or kv_bytes / 1e9 > a.max_kv_gb:
+                    continue
+                args = make_batch(jax.random.key(b * 7 + ctx), q_lens, kv_lens, page_size=a.page_size,
+                                  dtype=jnp.bfloat16)
+                bundled_us = None
+                if mode == "decode" and not a.no_bundled:
+                    fn, bargs = bundled_decode(args[0], args[1], args[2], args[3], a.page_size)
+                    bundled_us = bench(fn, bargs, a.iters)
+                for cfg in configs:
+                    fn = jax.jit(lambda *x, cfg=cfg: ragged_paged_attention(
+                        *x, sm_scale=D**-0.5, impl=a.impl, config=cfg))
+                    try:
+                        us = bench(fn, args, a.iters)
+                    except Exception as e:  # a config that does not compile is reported, not fatal
+                        print(f"{mode:8}{b:>5}{ctx:>7}  {str(cfg):24} failed: {type(e).__name__}: {e}"[:300])
+                        continue
+                    name = "table" if cfg is None else ",".join(str(v) for v in vars(cfg).values())
+                    row = dict(mode=mode, batch=b, ctx=ctx, config=name, us=us, kv_tb_s=kv_bytes / us / 1e6,
+                               tflop_s=flops / us / 1e6, bundled_us=bundled_us)
+                    rows.append(row)
+                    ratio = f"{bundled_us / us:9.2f}x" if bundled_us else ""
+                    print(f"{mode:8}{b:>5}{ctx:>7}  {name:24}{us:10.1f}{row['kv_tb_s']:9.2f}"
+                          f"{row['tflop_s']:9.1f}{ratio:>10}", flush=True)
+                if bundled_us:
+                    print(f"{'':8}{'':>5}{'':>7}  {'bundled paged_attention':24}{bundled_us:10.1f}"
+                          f"{kv_bytes / bundled_us / 1e6:9.2f}", flush=True)
+                del args
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(device=str(jax.devices()[0]), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
