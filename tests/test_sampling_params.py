@@ -1,0 +1,79 @@
+"""SamplingParams: vLLM defaults, normalisation, and validation messages naming field and range."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jengine.sampling_params import SamplingParams as P
+
+
+def test_defaults_follow_vllm():
+    p = P()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (p.max_tokens, p.min_tokens, p.seed, p.logprobs, p.prompt_logprobs) == (16, 0, None, None, None)
+    assert p.stop == [] and p.stop_token_ids == [] and p.logit_bias == {}
+    assert p.skip_special_tokens and p.spaces_between_special_tokens
+    assert not p.ignore_eos and not p.include_stop_str_in_output
+    assert not p.is_greedy and not p.uses_penalties
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(n=0), "n must be an int >= 1, got 0"),
+        (dict(temperature=-1), "temperature must be >= 0, got -1"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+        (dict(top_k=-2), "top_k must be 0 or -1 .*, got -2"),
+        (dict(min_p=1.1), r"min_p must be in \[0, 1\], got 1.1"),
+        (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\], got 2.5"),
+        (dict(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\], got -3"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be > 0, got 0.0"),
+        (dict(max_tokens=0), "max_tokens must be None or an int >= 1, got 0"),
+        (dict(min_tokens=-1), "min_tokens must be an int >= 0, got -1"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens must be <= max_tokens=4, got 5"),
+        (dict(logprobs=21), r"logprobs must be None or an int in \[0, 20\], got 21"),
+        (dict(prompt_logprobs=-1), r"prompt_logprobs must be None or an int in \[0, 20\], got -1"),
+        (dict(seed=1.5), "seed must be an int or None, got 1.5"),
+        (dict(stop=[""]), "stop must be a non-empty string"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids must be ints >= 0, got -1"),
+        (dict(logit_bias={"x": 1.0}), "logit_bias keys must be token ids"),
+        (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias may have at most 300 entries, got 301"),
+    ],
+)
+def test_bad_values_raise_naming_field_and_range(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        P(**kwargs)
+
+
+def test_normalisation():
+    p = P(stop="###", top_k=-1, logit_bias={"7": 250, 3: -1000.0}, max_tokens=None, min_tokens=100)
+    assert p.stop == ["###"] and p.top_k == 0 and p.max_tokens is None
+    assert p.logit_bias == {7: 100.0, 3: -100.0}  # keys as ints, values clamped like vLLM
+
+
+def test_greedy_switches_filters_off():
+    p = P(temperature=1e-6, top_k=5, top_p=0.5, min_p=0.2)
+    assert p.is_greedy and (p.top_k, p.top_p, p.min_p) == (0, 1.0, 0.0)
+
+
+def test_stop_token_ids_include_eos_unless_ignore_eos():
+    assert P(stop_token_ids=[5]).all_stop_token_ids([2]) == {2, 5}
+    assert P(stop_token_ids=[5], ignore_eos=True).all_stop_token_ids([2]) == {5}
+
+
+def test_clone_validates_and_does_not_share_lists():
+    p = P(stop=["a"], seed=1)
+    child = p.clone(seed=2)
+    child.stop.append("b")
+    assert p.stop == ["a"] and child.seed == 2
+    with pytest.raises(ValueError, match="temperature"):
+        p.clone(temperature=-0.5)
+
+
+def test_host_side_modules_do_not_import_jax():
+    code = "import sys, jengine.sampling_params, jengine.detokenizer; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
