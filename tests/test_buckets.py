@@ -1,0 +1,68 @@
+"""Bucket helpers: default T and S lists, picking a bucket, padding waste, compile shapes."""
+
+import pytest
+
+from jengine.buckets import (
+    default_seq_buckets,
+    default_token_buckets,
+    make_buckets,
+    max_padding_waste,
+    normalize_buckets,
+    padding_waste,
+    pick_bucket,
+    shape_pairs,
+)
+
+
+def test_token_buckets_double_from_16_and_end_at_the_budget():
+    assert default_token_buckets(512) == (16, 32, 64, 128, 256, 512)
+    assert default_token_buckets(600) == (16, 32, 64, 128, 256, 512, 600)
+    assert default_token_buckets(8) == (8,)
+
+
+def test_seq_buckets_double_from_8_and_end_at_max_num_seqs():
+    assert default_seq_buckets(256) == (8, 16, 32, 64, 128, 256)
+    assert default_seq_buckets(48) == (8, 16, 32, 48)
+    assert default_seq_buckets(1) == (1,)
+
+
+def test_linear_step_switches_from_doubling_to_fixed_increments():
+    assert make_buckets(2048, 16, linear_step=512) == (16, 32, 64, 128, 256, 512, 1024, 1536, 2048)
+
+
+def test_pick_bucket_returns_smallest_bucket_that_holds_n():
+    buckets = (16, 32, 64)
+    assert [pick_bucket(n, buckets) for n in (1, 16, 17, 64)] == [16, 16, 32, 64]
+    with pytest.raises(ValueError, match="exceeds the largest bucket 64"):
+        pick_bucket(65, buckets)
+
+
+def test_padding_waste_is_the_padded_fraction():
+    assert padding_waste(24, (16, 32)) == 0.25
+    assert padding_waste(32, (16, 32)) == 0.0
+    assert max_padding_waste((16, 32, 64)) == pytest.approx(15 / 16)  # n=1 padded to 16
+    assert max_padding_waste((1, 2, 4, 8)) == pytest.approx(3 / 8)  # n=5 padded to 8
+
+
+def test_normalize_buckets_sorts_dedups_and_appends_the_cap():
+    assert normalize_buckets([64, 16, 16, 32], cap=128) == (16, 32, 64, 128)
+    assert normalize_buckets([8, 4], cap=8) == (4, 8)
+    with pytest.raises(ValueError, match="exceeds the cap"):
+        normalize_buckets([256], cap=128)
+    with pytest.raises(ValueError, match="positive integers"):
+        normalize_buckets([0, 8])
+    with pytest.raises(ValueError, match="empty"):
+        normalize_buckets([])
+
+
+def test_shape_pairs_never_pad_sequences_past_the_token_bucket():
+    assert shape_pairs((16, 32, 64), (8, 16, 32)) == [
+        (16, 8), (16, 16), (32, 8), (32, 16), (32, 32), (64, 8), (64, 16), (64, 32),
+    ]
+
+
+def test_bad_bucket_parameters_are_rejected():
+    with pytest.raises(ValueError, match="cap"):
+        make_buckets(0)
+    with pytest.raises(ValueError, match="linear_step"):
+        make_buckets(64, linear_step=0)
