@@ -171,7 +171,7 @@ class ModelConfig:
 
 def parse_rope(raw: dict[str, Any]) -> RopeConfig:
     """Read RoPE settings from either `rope_parameters` (new) or `rope_theta`/`rope_scaling` (old)."""
-    params = dict(raw.get("rope_parameters") or {})
+    params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(scaling, dict):
         raise ValueError("rope_parameters / rope_scaling must be JSON objects")

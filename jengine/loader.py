@@ -98,6 +98,9 @@ def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str) -
                 path = files[hf_name]
                 if path not in handles:
                     handles[path] = safe_open(path, framework="numpy")
+                if hf_name not in handles[path].keys():  # a wrong sharded index; safetensors would raise its own error
+                    raise ValueError(f"{_INDEX} in {model_dir!r} maps tensor {hf_name!r} to "
+                                     f"{os.path.basename(path)}, which does not hold it")
                 array = handles[path].get_tensor(hf_name)
                 if tuple(array.shape) != tuple(hf_shape):
                     raise ValueError(
