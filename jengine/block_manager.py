@@ -10,8 +10,8 @@ Page 0 is reserved as the null page (`NULL_BLOCK_ID`) when `reserve_null_block` 
 handed to a request, so the runner can pad unused `page_indices` entries with 0 and padded tokens
 can write there without touching anyone's data.
 
-Automatic prefix caching: once every token of a block has its K/V computed, the block is registered
-under a key that chains the previous block's hash with the block's own token ids, so one key names a
+Automatic prefix caching: once every token of a block has its K/V written (by the step being
+scheduled or an earlier one), the block is registered under a key that chains the previous block's hash with the block's own token ids, so one key names a
 whole prefix. A later request whose prompt starts with the same tokens reuses those pages instead of
 recomputing them. A registered page whose reference count falls to 0 keeps its contents and its key
 and waits in an LRU list; it is only evicted (and its key forgotten) when a fresh page is needed and
@@ -249,17 +249,19 @@ class BlockManager:
         table.extend(self._take_free_block() for _ in range(end_block - len(table)))
         return copies
 
-    def cache_full_blocks(self, request: Any) -> None:
-        """Offer the request's newly completed blocks to the prefix cache.
+    def cache_full_blocks(self, request: Any, num_tokens: int) -> None:
+        """Register the request's full blocks among its first `num_tokens` tokens in the prefix cache.
 
-        Called after a step, once `num_computed_tokens` has advanced, so only pages whose K/V is
-        really written get registered. A block whose key is already cached in another page stays
+        The scheduler calls this when it schedules a step, with the tokens whose K/V exist once the
+        step has run, so a request admitted later in the same step can already share them. That is
+        safe because the step writes every new K/V of the batch before any attention reads in each
+        layer (`write_kv` then attention). A block whose key is already cached in another page stays
         private (and returns to the plain free list when released).
         """
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         start = self._num_committed[rid]
         if num_full <= start:
             return

@@ -12,6 +12,12 @@ Order within a step, under a budget of `max_num_batched_tokens` tokens and `max_
      the policy's key), admitted until one does not fit. Admission never skips ahead of a request
      that does not fit, so nobody starves, and preempted requests regain their place by arrival.
 
+Prefix caching: a waiting request starts after the longest run of cached full pages matching its
+tokens, always leaving at least its last token to compute. Pages are registered as soon as a step
+that fills them is scheduled, so identical prompts admitted in the same step (parallel sampling
+fanned out as n requests, a shared system prompt) compute the shared part once; this relies on the
+step writing the whole batch's K/V before attention reads it in each layer.
+
 `schedule()` and `update()` alternate: `update` advances `num_computed_tokens`, appends the sampled
 tokens and applies the stop rules. Stop strings need text, so the detokenizer ends those requests
 through `finish_request`.
@@ -232,6 +238,8 @@ class Scheduler:
 
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
+        # Pages this step fills become prefix-cache hits for requests admitted after this one.
+        self.block_manager.cache_full_blocks(request, start + num_new)
         out.scheduled.append(ScheduledRequest(
             request=request,
             num_new_tokens=num_new,
@@ -338,7 +346,6 @@ class Scheduler:
                 continue
             assert request.num_computed_tokens == entry.start_position, "schedule/update out of step"
             request.num_computed_tokens += entry.num_new_tokens
-            self.block_manager.cache_full_blocks(request)
             if not entry.produces_token:
                 continue
             request.append_output_token(token)

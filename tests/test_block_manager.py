@@ -15,7 +15,7 @@ def req(rid, tokens):
 def computed(bm, r, num_tokens=None):
     """Pretend a step computed the request's tokens up to num_tokens (default: all)."""
     r.num_computed_tokens = r.num_tokens if num_tokens is None else num_tokens
-    bm.cache_full_blocks(r)
+    bm.cache_full_blocks(r, r.num_computed_tokens)
 
 
 def assert_all_free(bm):
@@ -101,7 +101,7 @@ def test_same_block_after_a_different_prefix_is_not_a_hit():
     assert bm.get_computed_blocks(other) == ([], 0)
 
 
-def test_uncomputed_blocks_are_not_cached():
+def test_only_blocks_full_of_written_tokens_are_cached():
     bm = BlockManager(num_blocks=8, block_size=BS)
     a = req("a", range(12))
     bm.allocate(a, 12)

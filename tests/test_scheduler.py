@@ -49,13 +49,14 @@ class FakeDevice:
             self.pages[dev] = list(self.host[cpu])
         for src, dst in out.blocks_to_copy:
             self.pages[dst] = list(self.pages[src])
+        for s in out.scheduled:  # like write_kv: the whole batch's K/V lands before attention reads
+            assert 0 not in s.block_table, "null page handed to a request"
+            for k, tok in enumerate(s.token_ids):
+                p = s.start_position + k
+                self.pages[s.block_table[p // BS]][p % BS] = tok
         sampled = []
         for s in out.scheduled:
             table, tokens = s.block_table, s.request.all_token_ids
-            assert 0 not in table, "null page handed to a request"
-            for k, tok in enumerate(s.token_ids):
-                p = s.start_position + k
-                self.pages[table[p // BS]][p % BS] = tok
             end = s.start_position + s.num_new_tokens
             for p in range(end):
                 assert self.pages[table[p // BS]][p % BS] == tokens[p], (s.request_id, p)
@@ -153,6 +154,17 @@ def test_prefix_hit_skips_prefill_of_shared_blocks():
     assert out.scheduled[0].block_table[:2] == [1, 2]  # a's first two pages, now b's
     sched.update(out, [1])
     assert sched.block_manager.prefix_cache_hits == 8
+    assert_no_leaks(sched)
+
+
+def test_requests_admitted_in_the_same_step_share_prompt_pages():
+    sched = make()
+    sched.add_request(req("a", 10, max_tokens=1, arrival=0))
+    sched.add_request(req("b", 10, max_tokens=1, arrival=1))
+    out = sched.schedule()
+    assert plan(out) == [("a", 0, 10, True), ("b", 8, 2, True)]
+    assert out.scheduled[1].block_table[:2] == out.scheduled[0].block_table[:2]
+    sched.update(out, [1, 2])
     assert_no_leaks(sched)
 
 
