@@ -1,0 +1,237 @@
+"""The engine loop: scheduler -> StepInput -> jitted step -> scheduler update -> detokenized outputs.
+
+`LLMEngine.step()` is one iteration. Requests with n > 1 run as n child requests that share the
+prompt's full pages through the prefix cache; their completions are gathered into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from jengine.buckets import pick_bucket
+from jengine.detokenizer import IncrementalDetokenizer
+from jengine.engine_config import EngineConfig
+from jengine.kv_cache import num_device_pages, num_host_pages
+from jengine.loader import load_model
+from jengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jengine.request import Request
+from jengine.runner import ModelRunner, build_step_input, to_host
+from jengine.sampler import SamplingRow, build_sampling_tensors
+from jengine.sampling_params import SamplingParams
+from jengine.scheduler import Scheduler, SchedulerOutput
+from jengine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Child:
+    """One of the n sequences of a request: its scheduler request, detokenizer and logprobs."""
+
+    request: Request
+    detok: IncrementalDetokenizer | None
+    rng_counter: int
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_Child]
+    arrival_time: float
+
+
+class LLMEngine:
+    """Owns the model runner, the scheduler and the tokenizer; turns requests into outputs."""
+
+    def __init__(self, config: EngineConfig, *, warmup: bool = True, progress: bool = True):
+        t0 = time.perf_counter()
+        self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
+                                               seed=config.seed)
+        self.config = config.resolve(self.model_config)
+        cfg, ecfg = self.model_config, self.config
+        self.tokenizer = load_tokenizer(ecfg.model)
+        num_pages = num_device_pages(cfg, ecfg, cfg.dtype)
+        num_cpu_pages = num_host_pages(cfg, ecfg, cfg.dtype)
+        self.runner = ModelRunner(cfg, ecfg, params, num_pages, num_cpu_pages)
+        self.scheduler = Scheduler(
+            num_blocks=num_pages, block_size=ecfg.block_size, max_num_batched_tokens=ecfg.max_num_batched_tokens,
+            max_num_seqs=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len, eos_token_ids=cfg.eos_token_ids,
+            enable_chunked_prefill=ecfg.enable_chunked_prefill, enable_prefix_caching=ecfg.enable_prefix_caching,
+            policy=ecfg.scheduling_policy, preemption_mode=ecfg.preemption_mode, num_cpu_blocks=num_cpu_pages)
+        self.kv_cache_tokens = (num_pages - 1) * ecfg.block_size
+        logger.info("KV cache: %d pages of %d tokens (%d tokens), %d host pages", num_pages, ecfg.block_size,
+                    self.kv_cache_tokens, num_cpu_pages)
+        self.num_compiled_buckets = self.runner.warmup(progress) if warmup else 0
+        self.startup_seconds = time.perf_counter() - t0
+        self._groups: dict[str, _Group] = {}
+        self._child_to_group: dict[str, str] = {}
+        self._rng_counter = 0
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_prompt_tokens": 0, "steps": 0,
+                      "preemptions": 0}
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt as text, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = [int(t) for t in prompt]
+            if any(isinstance(t, bool) or not 0 <= t < self.model_config.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
+            return None, ids
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by jengine yet")
+        text, ids = self.tokenize_prompt(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            request = Request(child_id, ids, child_params, arrival_time=arrival, priority=priority)
+            self.scheduler.add_request(request)  # validates lengths; raises before anything is kept
+            detok = IncrementalDetokenizer(self.tokenizer, child_params, ids) if self.tokenizer else None
+            children.append(_Child(request, detok, self._rng_counter,
+                                   [] if params.logprobs is not None else None))
+            self._rng_counter += 1
+            self._child_to_group[child_id] = request_id
+        self._groups[request_id] = _Group(request_id, text, ids, params, children, arrival)
+        self.stats["prompt_tokens"] += len(ids) * params.n
+
+    def abort_request(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for child in group.children:
+            self.scheduler.abort(child.request.request_id)
+            self._child_to_group.pop(child.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ------------------------------------------------------------------ one iteration
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the outputs of the requests that advanced (cumulative text)."""
+        sched = self.scheduler.schedule()
+        self._move_pages(sched)
+        if not sched.scheduled:
+            return []
+        result = to_host(self.runner.execute(self._step_input(sched)))
+        self.stats["steps"] += 1
+        self.stats["preemptions"] += len(sched.preempted)
+        self.stats["computed_prompt_tokens"] += sum(
+            s.num_new_tokens for s in sched.scheduled if s.start_position < s.request.num_prompt_tokens)
+        finished = {r.request_id for r in self.scheduler.update(sched, result.next_ids.tolist())}
+        touched = []
+        for i, entry in enumerate(sched.scheduled):
+            if not entry.produces_token:
+                continue
+            request = entry.request
+            group_id = self._child_to_group.get(request.request_id)
+            if group_id is None:
+                continue
+            self.stats["generation_tokens"] += 1
+            child = next(c for c in self._groups[group_id].children if c.request is request)
+            self._record_token(child, result, i, request.request_id in finished)
+            if group_id not in touched:
+                touched.append(group_id)
+        return [self._make_output(gid) for gid in touched]
+
+    def _move_pages(self, sched: SchedulerOutput) -> None:
+        if sched.blocks_to_swap_out:
+            self.runner.swap_out(sched.blocks_to_swap_out)
+        if sched.blocks_to_swap_in:
+            self.runner.swap_in(sched.blocks_to_swap_in)
+        if sched.blocks_to_copy:
+            self.runner.copy_pages(sched.blocks_to_copy)
+
+    def _step_input(self, sched: SchedulerOutput):
+        ecfg = self.config
+        num_tokens = pick_bucket(sched.num_scheduled_tokens, ecfg.token_buckets)
+        num_seqs = pick_bucket(len(sched.scheduled), ecfg.seq_buckets)
+        rows, sampling_rows = [], []
+        for entry in sched.scheduled:
+            request = entry.request
+            rows.append((entry.token_ids, entry.start_position, entry.block_table))
+            child = self._child(request.request_id)
+            sampling_rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids,
+                                             request.output_token_ids, child.rng_counter if child else 0))
+        sampling = build_sampling_tensors(sampling_rows, num_seqs, self.model_config.vocab_size,
+                                          engine_seed=ecfg.seed, eos_token_ids=self.model_config.eos_token_ids)
+        return build_step_input(rows, num_tokens, num_seqs, ecfg.pages_per_seq, ecfg.block_size, sampling)
+
+    def _child(self, request_id: str) -> _Child | None:
+        group = self._groups.get(self._child_to_group.get(request_id, ""))
+        return None if group is None else next(c for c in group.children if c.request.request_id == request_id)
+
+    def _record_token(self, child: _Child, result, row: int, finished: bool) -> None:
+        request = child.request
+        token = request.output_token_ids[-1]
+        child.cumulative_logprob += float(result.sampled_logprobs[row])
+        if child.logprobs is not None:
+            k = request.sampling_params.logprobs
+            entry = {token: Logprob(float(result.sampled_logprobs[row]))}
+            for rank, (tid, lp) in enumerate(zip(result.topk_ids[row][:k], result.topk_logprobs[row][:k]), 1):
+                if tid >= 0:
+                    entry.setdefault(int(tid), Logprob(float(lp)))
+                    entry[int(tid)].rank = rank
+            child.logprobs.append(entry)
+        if finished and request.stop_reason is not None:
+            child.stop_reason = request.stop_reason
+        if child.detok is not None:
+            stop_str = child.detok.update([token], stop_terminated=finished and request.stop_reason is not None)
+            if stop_str is not None and not finished:
+                self.scheduler.finish_request(request.request_id, "stop")
+                child.stop_reason = stop_str
+
+    def _make_output(self, group_id: str) -> RequestOutput:
+        group = self._groups[group_id]
+        outputs = []
+        for i, child in enumerate(group.children):
+            request = child.request
+            text = child.detok.get_next_output_text(request.is_finished, delta=False) if child.detok else ""
+            outputs.append(CompletionOutput(
+                index=i, text=text, token_ids=list(request.output_token_ids),
+                cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
+                logprobs=child.logprobs, finish_reason=request.finish_reason, stop_reason=child.stop_reason))
+        finished = all(o.finish_reason is not None for o in outputs)
+        metrics = group.children[0].request.metrics
+        out = RequestOutput(request_id=group_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+                            outputs=outputs, finished=finished, metrics=metrics)
+        if finished:
+            del self._groups[group_id]
+            for child in group.children:
+                self._child_to_group.pop(child.request.request_id, None)
+        return out

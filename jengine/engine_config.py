@@ -1,0 +1,99 @@
+"""Engine configuration: one frozen dataclass with vLLM's names, validated at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jengine.buckets import default_seq_buckets, default_token_buckets
+from jengine.config import ModelConfig, normalize_dtype
+
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model. `None` fields are filled from the model by `resolve`."""
+
+    model: str
+    dtype: str | None = None  # None / "auto": the checkpoint's dtype
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 0.0  # GiB of host memory for swapped-out KV pages
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
+    token_buckets: tuple[int, ...] | None = None
+    seq_buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        def positive_int(name, value, allow_none=True):
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        positive_int("max_model_len", self.max_model_len)
+        positive_int("max_num_seqs", self.max_num_seqs, allow_none=False)
+        positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.dtype not in (None, "auto"):
+            object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        for name in ("token_buckets", "seq_buckets"):
+            value = getattr(self, name)
+            if value is not None:
+                if not value or any(not isinstance(v, int) or v <= 0 for v in value):
+                    raise ValueError(f"{name} must be a non-empty list of positive integers, got {value!r}")
+                object.__setattr__(self, name, tuple(sorted(set(value))))
+
+    def resolve(self, model_cfg: ModelConfig) -> EngineConfig:
+        """Fill the `None` fields from the model and check the combination."""
+        max_len = self.max_model_len or model_cfg.max_position_embeddings
+        if max_len > model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings "
+                f"({model_cfg.max_position_embeddings})")
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 2048 if self.enable_chunked_prefill else max(2048, max_len)
+        if not self.enable_chunked_prefill and batched < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) must be >= max_model_len ({max_len}) when chunked "
+                "prefill is disabled, or no long prompt could ever be scheduled")
+        if batched < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({self.max_num_seqs})")
+        token_buckets = self.token_buckets or tuple(default_token_buckets(batched))
+        seq_buckets = self.seq_buckets or tuple(default_seq_buckets(self.max_num_seqs))
+        if max(token_buckets) < batched:
+            raise ValueError(f"the largest token bucket ({max(token_buckets)}) must be >= "
+                             f"max_num_batched_tokens ({batched})")
+        if max(seq_buckets) < self.max_num_seqs:
+            raise ValueError(f"the largest sequence bucket ({max(seq_buckets)}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs})")
+        return dataclasses.replace(self, max_model_len=max_len, max_num_batched_tokens=batched,
+                                   token_buckets=token_buckets, seq_buckets=seq_buckets)
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)

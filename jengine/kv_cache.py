@@ -1,0 +1,109 @@
+"""The paged KV cache on the device: sizing from free memory, allocation, page copies and swapping.
+
+Page moves (copy-on-write copies, swap out to host, swap in) go through two jitted functions of a
+fixed number of pages (`PAGE_CHUNK`), padded by repeating the last id, so they compile once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jengine.config import ModelConfig
+from jengine.engine_config import EngineConfig
+from jengine.kernels_pallas.ragged_paged_attention import kv_cache_shape
+
+PAGE_CHUNK = 8
+_CPU_DEFAULT_BYTES = 256 << 20  # no memory statistics on the CPU backend: a modest fixed pool
+
+
+def page_bytes(cfg: ModelConfig, block_size: int, dtype) -> int:
+    """Bytes of one page across all layers (K and V)."""
+    per_layer = int(np.prod(kv_cache_shape(1, block_size, cfg.num_key_value_heads, cfg.head_dim)))
+    return per_layer * cfg.num_hidden_layers * jnp.dtype(dtype).itemsize
+
+
+def activation_reserve(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> int:
+    """Rough peak of a step's temporaries: the widest layer activations and the logits."""
+    tokens = ecfg.max_num_batched_tokens
+    width = 2 * cfg.intermediate_size + 4 * cfg.hidden_size + 3 * cfg.num_attention_heads * cfg.head_dim
+    return 2 * tokens * width * jnp.dtype(dtype).itemsize + 4 * ecfg.max_num_seqs * cfg.vocab_size * 4
+
+
+def num_device_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, device=None) -> int:
+    """How many pages fit in `gpu_memory_utilization` of the device after weights and temporaries."""
+    if ecfg.num_gpu_blocks_override:
+        return ecfg.num_gpu_blocks_override
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        budget = int(stats["bytes_limit"] * ecfg.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
+        budget -= activation_reserve(cfg, ecfg, dtype)
+        pages = budget // page_bytes(cfg, ecfg.block_size, dtype)
+    else:  # host memory: a modest pool, never more than every sequence at full length needs
+        pages = min(_CPU_DEFAULT_BYTES // page_bytes(cfg, ecfg.block_size, dtype),
+                    ecfg.max_num_seqs * ecfg.pages_per_seq + 1)
+    if pages < ecfg.pages_per_seq + 1:
+        raise ValueError(
+            f"only {max(pages, 0)} KV pages fit in memory, fewer than one sequence of max_model_len="
+            f"{ecfg.max_model_len} needs ({ecfg.pages_per_seq}); lower max_model_len or max_num_batched_tokens, "
+            "or raise gpu_memory_utilization")
+    return int(pages)
+
+
+def num_host_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> int:
+    return int(ecfg.swap_space * (1 << 30)) // page_bytes(cfg, ecfg.block_size, dtype)
+
+
+def allocate(cfg: ModelConfig, num_pages: int, block_size: int, dtype) -> list[jax.Array]:
+    """One zeroed cache array per layer."""
+    shape = kv_cache_shape(num_pages, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)]
+
+
+@jax.jit
+def _gather_pages(kv_caches, ids):  # ids [PAGE_CHUNK] -> [L, 2, Hkv, PAGE_CHUNK, ps, D]
+    return jnp.stack([cache[:, :, ids] for cache in kv_caches])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_pages(kv_caches, ids, pages):
+    return [cache.at[:, :, ids].set(pages[i]) for i, cache in enumerate(kv_caches)]
+
+
+def _chunks(ids: list[int]):
+    for start in range(0, len(ids), PAGE_CHUNK):
+        chunk = ids[start : start + PAGE_CHUNK]
+        yield len(chunk), np.array(chunk + [chunk[-1]] * (PAGE_CHUNK - len(chunk)), np.int32)
+
+
+def copy_pages(kv_caches: list, pairs: list[tuple[int, int]]) -> list:
+    """Copy device pages src -> dst (copy-on-write of a shared partial page)."""
+    if not pairs:
+        return kv_caches
+    for (_, src), (_, dst) in zip(_chunks([s for s, _ in pairs]), _chunks([d for _, d in pairs])):
+        kv_caches = _scatter_pages(kv_caches, dst, _gather_pages(kv_caches, src))
+    return kv_caches
+
+
+class HostPagePool:
+    """Host-memory copies of swapped-out pages: `[L, 2, Hkv, num_pages, ps, D]` in numpy."""
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, block_size: int, dtype):
+        shape = (cfg.num_hidden_layers,) + kv_cache_shape(num_pages, block_size, cfg.num_key_value_heads,
+                                                          cfg.head_dim)
+        self.pages = np.zeros(shape, jnp.dtype(dtype)) if num_pages else None
+
+    def swap_out(self, kv_caches: list, pairs: list[tuple[int, int]]) -> None:
+        """Copy device pages to host pages, pairs of (device_page, host_page)."""
+        for (n, dev), (_, host) in zip(_chunks([d for d, _ in pairs]), _chunks([h for _, h in pairs])):
+            self.pages[:, :, :, host[:n]] = np.asarray(_gather_pages(kv_caches, dev))[:, :, :, :n]
+
+    def swap_in(self, kv_caches: list, pairs: list[tuple[int, int]]) -> list:
+        """Copy host pages back into device pages, pairs of (host_page, device_page)."""
+        for (_, host), (_, dev) in zip(_chunks([h for h, _ in pairs]), _chunks([d for _, d in pairs])):
+            kv_caches = _scatter_pages(kv_caches, dev, jnp.asarray(self.pages[:, :, :, host]))
+        return kv_caches

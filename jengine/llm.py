@@ -1,0 +1,94 @@
+"""`LLM`: the offline Python API with vLLM's names (`generate`, `chat`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from jengine.engine import LLMEngine
+from jengine.engine_config import EngineConfig
+from jengine.outputs import RequestOutput
+from jengine.presets import DEFAULT_MODEL
+from jengine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts with continuous batching.
+
+    `LLM(model="path/to/hf_dir" or a preset, dtype=..., max_model_len=..., ...)`; every keyword is a
+    field of `EngineConfig` (vLLM's engine argument names).
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, use_tqdm_on_load: bool = True, **engine_args):
+        fields = set(EngineConfig.__dataclass_fields__)
+        unknown = sorted(set(engine_args) - fields)
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s) {unknown}; allowed: {sorted(fields - {'model'})}")
+        progress = use_tqdm_on_load
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), progress=progress)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list (text, token-id lists, or prompt dicts); outputs in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        try:
+            for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
+                self.engine.add_request(rid, prompt, sp, priority=0 if priority is None else priority[i])
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"}) or a list of them."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template)
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in wanted - set(done):
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]

@@ -1,0 +1,126 @@
+"""The device side of one engine iteration: the jitted step over a bucket-padded `StepInput`.
+
+`step(params, kv_caches, inp)` runs the model over the ragged batch, writes new K/V into the pages,
+takes the logits of each sequence's last scheduled token and samples on the device. The cache is
+donated, so XLA updates it in place. Every (tokens, sequences) bucket is compiled at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jengine import kv_cache
+from jengine.buckets import shape_pairs
+from jengine.config import ModelConfig
+from jengine.engine_config import EngineConfig
+from jengine.models import ModelInput, get_model_family
+from jengine.sampler import SamplerOutput, SamplingTensors, build_sampling_tensors, sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInput:
+    """Everything one step needs, padded to a (T, S) bucket; the only object crossing to the device."""
+
+    model: ModelInput
+    logits_indices: jax.Array  # [S] int32, index in T of each sequence's last scheduled token
+    sampling: SamplingTensors
+
+
+def _step(params, kv_caches, inp: StepInput, *, cfg: ModelConfig) -> tuple[list, SamplerOutput]:
+    family = get_model_family(cfg.architecture)
+    kv_caches, hidden = family.forward(params, cfg, inp.model, kv_caches)  # hidden [T, H]
+    logits = family.compute_logits(params, cfg, hidden[inp.logits_indices])  # [S, V]
+    return kv_caches, sample(logits, inp.sampling)
+
+
+def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_per_seq: int,
+                     block_size: int, sampling: SamplingTensors) -> StepInput:
+    """Numpy StepInput from scheduled rows `(token_ids, start_position, block_table)` in batch order.
+
+    Padding tokens write nowhere (slot -1) and padding rows have no queries and no keys.
+    """
+    T, S = num_tokens_padded, num_seqs_padded
+    token_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slots = np.full(T, -1, np.int32)
+    cu_q_lens = np.zeros(S + 1, np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    page_indices = np.zeros((S, pages_per_seq), np.int32)
+    logits_indices = np.zeros(S, np.int32)
+    t = 0
+    for i, (ids, start, table) in enumerate(rows):
+        n = len(ids)
+        pos = np.arange(start, start + n, dtype=np.int32)
+        table = np.asarray(table, np.int32)
+        token_ids[t : t + n] = ids
+        positions[t : t + n] = pos
+        slots[t : t + n] = table[pos // block_size] * block_size + pos % block_size
+        page_indices[i, : len(table)] = table
+        kv_lens[i] = start + n
+        t += n
+        cu_q_lens[i + 1] = t
+        logits_indices[i] = t - 1
+    cu_q_lens[len(rows) + 1 :] = t
+    model = ModelInput(token_ids=token_ids, positions=positions, slot_mapping=slots, cu_q_lens=cu_q_lens,
+                       kv_lens=kv_lens, page_indices=page_indices, num_seqs=np.array([len(rows)], np.int32))
+    return StepInput(model=model, logits_indices=logits_indices, sampling=sampling)
+
+
+class ModelRunner:
+    """Owns the params, the KV cache and the compiled step; executes one StepInput at a time."""
+
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, params: dict, num_pages: int, num_host_pages: int):
+        self.cfg, self.ecfg, self.params = cfg, ecfg, params
+        self.num_pages = num_pages
+        self.kv_caches = kv_cache.allocate(cfg, num_pages, ecfg.block_size, cfg.dtype)
+        self.host_pool = kv_cache.HostPagePool(cfg, num_host_pages, ecfg.block_size, cfg.dtype)
+        self._step = jax.jit(functools.partial(_step, cfg=cfg), donate_argnums=(1,))
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (T, S) pair a step can be padded to: S sequences need at least S tokens."""
+        return shape_pairs(self.ecfg.token_buckets, self.ecfg.seq_buckets)
+
+    def execute(self, inp: StepInput) -> SamplerOutput:
+        """Launch one step; the result stays on the device until the caller reads it."""
+        self.kv_caches, out = self._step(self.params, self.kv_caches, inp)
+        return out
+
+    def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
+        """A padding-only StepInput of the given bucket (writes nothing, reads nothing)."""
+        sampling = build_sampling_tensors([], num_seqs, self.cfg.vocab_size)
+        return build_step_input([], num_tokens, num_seqs, self.ecfg.pages_per_seq, self.ecfg.block_size, sampling)
+
+    def warmup(self, progress: bool = True) -> int:
+        """Compile every bucket (and the page-move functions) before serving; returns the count."""
+        buckets = self.buckets()
+        for t, s in tqdm(buckets, desc="Compiling buckets", disable=not progress):
+            jax.block_until_ready(self.execute(self.dummy_input(t, s)))
+        self.kv_caches = kv_cache.copy_pages(self.kv_caches, [(0, 0)])
+        if self.host_pool.pages is not None:
+            self.host_pool.swap_out(self.kv_caches, [(0, 0)])
+            self.kv_caches = self.host_pool.swap_in(self.kv_caches, [(0, 0)])
+        jax.block_until_ready(self.kv_caches)
+        return len(buckets)
+
+    def copy_pages(self, pairs):
+        self.kv_caches = kv_cache.copy_pages(self.kv_caches, pairs)
+
+    def swap_out(self, pairs):
+        self.host_pool.swap_out(self.kv_caches, pairs)
+
+    def swap_in(self, pairs):
+        self.kv_caches = self.host_pool.swap_in(self.kv_caches, pairs)
+
+
+def to_host(out: SamplerOutput) -> SamplerOutput:
+    """Bring a step's results to numpy (blocks until the device is done)."""
+    return SamplerOutput(*(np.asarray(x) for x in jax.device_get(tuple(out))))
+
+
+__all__ = ["ModelRunner", "StepInput", "build_step_input", "to_host"]

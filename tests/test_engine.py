@@ -1,0 +1,149 @@
+"""The engine's greedy output equals transformers' token for token under every scheduling mode."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from jengine import LLM, SamplingParams
+from jengine.generate import greedy_generate
+from jengine.loader import load_model
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "models", "llama")
+GREEDY16 = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _hf_cases():
+    data = np.load(os.path.join(FIXTURE, "expected.npz"))
+    n = len([k for k in data.files if k.startswith("prompt_")])
+    return [(data[f"prompt_{i}"].tolist(), data[f"greedy_{i}"].tolist()) for i in range(n)]
+
+
+HF_CASES = _hf_cases()
+
+
+def _make_llm(**kw):
+    args = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+                token_buckets=(8, 64), seq_buckets=(4,), use_tqdm_on_load=False)
+    args.update(kw)
+    return LLM(FIXTURE, **args)
+
+
+def _assert_no_leak(llm):
+    bm = llm.engine.scheduler.block_manager
+    assert not llm.engine.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    bm.check_invariants()
+
+
+def _greedy_tokens(llm, prompts):
+    outs = llm.generate([list(p) for p in prompts], GREEDY16, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return _make_llm()
+
+
+def test_greedy_one_request_at_a_time_matches_transformers(llm):
+    for prompt, expected in HF_CASES:
+        assert _greedy_tokens(llm, [prompt]) == [expected]
+    _assert_no_leak(llm)
+
+
+def test_greedy_batch_matches_transformers(llm):
+    prompts = [p for p, _ in HF_CASES]
+    assert _greedy_tokens(llm, prompts) == [e for _, e in HF_CASES]
+    _assert_no_leak(llm)
+
+
+def test_chunked_prefill_with_tiny_budget_matches_transformers():
+    llm = _make_llm(max_num_batched_tokens=8, token_buckets=(8,), max_num_seqs=4)
+    prompts = [p for p, _ in HF_CASES]
+    assert _greedy_tokens(llm, prompts) == [e for _, e in HF_CASES]
+    _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_greedy_outputs_exact(mode):
+    # 6 usable pages of 16 tokens: three 32-token prompts fill them at admission, and each needs a
+    # third page to decode, so requests are preempted and resumed.
+    cfg, params = load_model(FIXTURE, dtype="float32")
+    base = HF_CASES[3][0]
+    prompts = [base[i : i + 32] for i in range(4)]
+    expected = [greedy_generate(cfg, params, p, 16, stop_at_eos=False) for p in prompts]
+    llm = _make_llm(num_gpu_blocks_override=7, preemption_mode=mode, swap_space=0.01, max_num_batched_tokens=128,
+                    token_buckets=(8, 128))
+    assert _greedy_tokens(llm, prompts) == expected
+    assert llm.engine.stats["preemptions"] > 0
+    _assert_no_leak(llm)
+
+
+def test_prefix_caching_skips_shared_prefill_and_keeps_outputs(llm):
+    cfg, params = load_model(FIXTURE, dtype="float32")
+    shared = [(7 * t + 3) % 256 for t in HF_CASES[3][0][:32]]  # two full pages, not cached yet
+    prompts = [shared + [5 + i, 7 + i, 11 + i] for i in range(3)]
+    expected = [greedy_generate(cfg, params, p, 16, stop_at_eos=False) for p in prompts]
+    before = llm.engine.stats["computed_prompt_tokens"]
+    assert _greedy_tokens(llm, prompts[:1]) == expected[:1]
+    first = llm.engine.stats["computed_prompt_tokens"] - before
+    assert first == len(prompts[0])
+    assert _greedy_tokens(llm, prompts[1:]) == expected[1:]
+    rest = llm.engine.stats["computed_prompt_tokens"] - before - first
+    assert rest == 2 * (len(prompts[1]) - len(shared))
+    _assert_no_leak(llm)
+
+
+def test_request_output_is_the_same_alone_and_in_a_full_batch(llm):
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    prompt = HF_CASES[2][0]
+    alone = llm.generate([prompt], [seeded], use_tqdm=False)[0].outputs[0].token_ids
+    others = [HF_CASES[i][0] for i in (0, 1, 3)]
+    batch = llm.generate(others[:1] + [prompt] + others[1:],
+                         [SamplingParams(temperature=1.0, max_tokens=10), seeded,
+                          GREEDY16, SamplingParams(temperature=0.5, seed=7)], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    _assert_no_leak(llm)
+
+
+def test_stop_token_ids_and_stop_reason(llm):
+    prompt, expected = HF_CASES[1]
+    stop_at = expected[5]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected[: expected.index(stop_at) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_n_greater_than_one_returns_n_completions(llm):
+    out = llm.generate([HF_CASES[2][0]], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8,
+                                                                 ignore_eos=True), use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3  # each child draws its own tokens
+    _assert_no_leak(llm)
+
+
+def test_logprobs_are_returned_per_token(llm):
+    out = llm.generate([HF_CASES[1][0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and entry[token].rank == 1  # greedy picks the top token
+        assert len(entry) == 3
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_over_long_prompt_and_bad_params_raise_clear_errors(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[1] * 200], GREEDY16, use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="vocabulary|token ids"):
+        llm.generate([[10**6]], GREEDY16, use_tqdm=False)
+    with pytest.raises(ValueError, match="unknown LLM argument"):
+        LLM(FIXTURE, not_an_arg=1)
+    _assert_no_leak(llm)
