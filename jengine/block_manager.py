@@ -11,11 +11,12 @@ handed to a request, so the runner can pad unused `page_indices` entries with 0 
 can write there without touching anyone's data.
 
 Automatic prefix caching: once every token of a block has its K/V written (by the step being
-scheduled or an earlier one), the block is registered under a key that chains the previous block's hash with the block's own token ids, so one key names a
-whole prefix. A later request whose prompt starts with the same tokens reuses those pages instead of
-recomputing them. A registered page whose reference count falls to 0 keeps its contents and its key
-and waits in an LRU list; it is only evicted (and its key forgotten) when a fresh page is needed and
-no never-cached page is left. Pages are released tail-first so a prefix outlives its continuation.
+scheduled or an earlier one), the block is registered under a key that chains the previous block's
+hash with the block's own token ids, so one key names a whole prefix. A later request whose prompt
+starts with the same tokens reuses those pages instead of recomputing them. A registered page whose
+reference count falls to 0 keeps its contents and its key and waits in an LRU list; it is only
+evicted (and its key forgotten) when a fresh page is needed and no never-cached page is left. Pages
+are released tail-first so a prefix outlives its continuation.
 
 Copy-on-write: `fork` makes a child share every page of its parent, including a partly filled last
 page. Before anyone writes into a shared page, `append_slots` gives the writer a fresh page and
