@@ -128,6 +128,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self._seq_no: dict[str, int] = {}  # admission-order tie-break for equal arrival times
         self._next_seq_no = 0
+        self.num_preemptions = 0  # since start, both kinds
 
     # ------------------------------------------------------------------ queues
 
@@ -217,6 +218,19 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
+    def stats(self) -> dict[str, float]:
+        """Gauges and counters for logging and /metrics (vLLM's names where it has one)."""
+        bm = self.block_manager
+        return {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "num_requests_swapped": len(self.swapped),
+            "kv_cache_usage_perc": bm.usage,
+            "prefix_cache_queries": bm.prefix_cache_queries,  # tokens looked up
+            "prefix_cache_hits": bm.prefix_cache_hits,  # tokens found
+            "num_preemptions": self.num_preemptions,
+        }
+
     # ------------------------------------------------------------------ scheduling
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -224,6 +238,7 @@ class Scheduler:
         otherwise drop them and recompute later."""
         self.running.remove(request)
         request.num_preemptions += 1
+        self.num_preemptions += 1
         out.preempted.append(request.request_id)
         bm = self.block_manager
         if self.preemption_mode == "swap" and bm.can_swap_out(request):

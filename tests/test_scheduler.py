@@ -193,6 +193,8 @@ def test_preemption_by_recompute_evicts_latest_request_and_recomputes_it_after()
     out, _ = step(sched)
     assert plan(out) == [("a", 8, 1, True)] and out.preempted == ["b"]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert sched.stats()["num_preemptions"] == 1 and sched.stats()["num_requests_waiting"] == 1
+    assert sched.stats()["kv_cache_usage_perc"] == 0.75
     assert b.output_token_ids == [next_token(b, 6), next_token(b, 7)]  # kept for the recompute
     while a.status == RequestStatus.RUNNING:
         out, _ = step(sched)
@@ -372,15 +374,27 @@ def test_random_workload_on_a_tight_pool_keeps_every_token_right_and_leaks_nothi
             sched.fork_request(parent.request_id, child)
             expected_prefix[child.request_id] = list(child.output_token_ids)
             requests.append(child)
+        if sched.requests and rng.random() < 0.03:  # a client goes away, in any state
+            victim = sched.requests[rng.choice(sorted(sched.requests))]
+            sched.abort(victim.request_id)
         out = sched.schedule()
         assert out.num_scheduled_tokens <= 16 and len(out.scheduled) <= 6
+        if out.scheduled and rng.random() < 0.05:  # ... or goes away while its step runs
+            sched.abort(rng.choice(out.scheduled).request_id)
         sched.update(out, device.run(out))
         sched.block_manager.check_invariants()
         steps += 1
         assert steps < 2000, "no progress"
+    aborted = 0
     for r in requests:
         n, k = r.num_prompt_tokens, len(expected_prefix.get(r.request_id, ()))
-        assert r.status == RequestStatus.FINISHED_LENGTH
         tail = [next_token(r, p) for p in range(n - 1 + k, n - 1 + r.max_tokens)]
-        assert r.output_token_ids == expected_prefix.get(r.request_id, []) + tail
+        expected = expected_prefix.get(r.request_id, []) + tail
+        if r.status == RequestStatus.FINISHED_ABORTED:
+            aborted += 1
+            assert r.output_token_ids == expected[:r.num_output_tokens]
+        else:
+            assert r.status == RequestStatus.FINISHED_LENGTH
+            assert r.output_token_ids == expected
+    assert 0 < aborted < len(requests) // 2
     assert_no_leaks(sched)
