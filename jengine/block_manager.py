@@ -216,16 +216,16 @@ class BlockManager:
         self._num_committed[rid] = len(computed_blocks)
         return table
 
-    def _num_shared_write_blocks(self, table: list[int], first_write: int, end_block: int) -> int:
-        return sum(1 for i in range(first_write, min(end_block, len(table))) if self._ref[table[i]] > 1)
-
     def can_append_slots(self, request: Any, num_new_tokens: int) -> bool:
         """Whether the request can write `num_new_tokens` more tokens after its computed ones."""
         table = self._tables[request.request_id]
         start = request.num_computed_tokens
-        end_block = _cdiv(start + num_new_tokens, self.block_size)
-        num_cow = self._num_shared_write_blocks(table, start // self.block_size, end_block)
-        return max(0, end_block - len(table)) + num_cow <= self.num_free_blocks
+        end_block = -(-(start + num_new_tokens) // self.block_size)
+        needed = max(0, end_block - len(table))
+        ref = self._ref
+        for i in range(start // self.block_size, min(end_block, len(table))):
+            needed += ref[table[i]] > 1  # a shared page to copy before writing
+        return needed == 0 or needed <= len(self._free) + len(self._evictable)
 
     def append_slots(self, request: Any, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make room for `num_new_tokens` tokens at positions `num_computed_tokens...`.

@@ -287,9 +287,11 @@ class Scheduler:
                 i += 1
                 continue
             # Later entries of `running` are not scheduled yet, so the queue's tail is the victim.
-            while not bm.can_append_slots(request, num_new) and self.running[-1] is not request:
+            fits = bm.can_append_slots(request, num_new)
+            while not fits and self.running[-1] is not request:
                 self._preempt(self.running[-1], out)
-            if not bm.can_append_slots(request, num_new):
+                fits = bm.can_append_slots(request, num_new)
+            if not fits:
                 self._preempt(request, out)
                 break
             out.blocks_to_copy.extend(bm.append_slots(request, num_new))
