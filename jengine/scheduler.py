@@ -70,6 +70,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (cpu, device)
     preempted: list[str] = dataclasses.field(default_factory=list)  # request ids preempted this step
+    # Requests that ended (finished, stopped, aborted) since the previous schedule(): a runner that
+    # keeps per-request state can drop it.
+    finished_ids: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -129,6 +132,7 @@ class Scheduler:
         self._seq_no: dict[str, int] = {}  # admission-order tie-break for equal arrival times
         self._next_seq_no = 0
         self.num_preemptions = 0  # since start, both kinds
+        self._finished_ids: list[str] = []  # ended since the last schedule()
 
     # ------------------------------------------------------------------ queues
 
@@ -275,7 +279,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating their pages."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         bm = self.block_manager
         budget = self.max_num_batched_tokens
 
@@ -396,6 +401,7 @@ class Scheduler:
         request.metrics.finished_time = time.time() if now is None else now
         del self.requests[request.request_id]
         del self._seq_no[request.request_id]
+        self._finished_ids.append(request.request_id)
 
     def finish_request(self, request_id: str, reason: str | RequestStatus = "stop") -> Request | None:
         """End a request from outside (stop string, client gone). Returns it, or None if unknown."""

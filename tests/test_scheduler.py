@@ -296,6 +296,8 @@ def test_finish_request_and_abort_free_everything():
     sched.add_request(req("d", 5))
     sched.abort("d")  # still waiting
     sched.abort("c")
+    assert sched.schedule().finished_ids == ["a", "b", "d", "c"]
+    assert sched.schedule().finished_ids == []
     assert_no_leaks(sched)
 
 
