@@ -101,6 +101,16 @@ def test_prompt_runs_whole_then_one_token_per_step_until_max_tokens():
     assert_no_leaks(sched)
 
 
+def test_unlimited_max_tokens_stops_at_max_model_len():
+    sched = make(max_model_len=16)
+    r = req("r", 10, max_tokens=None)
+    sched.add_request(r)
+    while sched.has_unfinished():
+        step(sched)
+    assert r.num_tokens == 16 and r.num_output_tokens == 6 and r.finish_reason == "length"
+    assert_no_leaks(sched)
+
+
 def test_chunked_prefill_splits_prompt_under_tiny_budget():
     sched = make(max_num_batched_tokens=4)
     sched.add_request(req("a", 10, max_tokens=1))
