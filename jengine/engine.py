@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import time
 
+import jax
 import numpy as np
 
 from jengine.buckets import pick_bucket
@@ -57,7 +58,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
                                                seed=config.seed)
-        self.config = config.resolve(self.model_config)
+        self.config = config.resolve(self.model_config, jax.default_backend())
         cfg, ecfg = self.model_config, self.config
         self.tokenizer = load_tokenizer(ecfg.model)
         num_pages = num_device_pages(cfg, ecfg, cfg.dtype)

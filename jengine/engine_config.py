@@ -20,7 +20,7 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None  # 256 on an accelerator, 8 on the CPU
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -41,7 +41,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         positive_int("max_model_len", self.max_model_len)
-        positive_int("max_num_seqs", self.max_num_seqs, allow_none=False)
+        positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -66,32 +66,36 @@ class EngineConfig:
                     raise ValueError(f"{name} must be a non-empty list of positive integers, got {value!r}")
                 object.__setattr__(self, name, tuple(sorted(set(value))))
 
-    def resolve(self, model_cfg: ModelConfig) -> EngineConfig:
-        """Fill the `None` fields from the model and check the combination."""
+    def resolve(self, model_cfg: ModelConfig, backend: str = "gpu") -> EngineConfig:
+        """Fill the `None` fields from the model and the backend, and check the combination.
+
+        On the CPU (tests, notebooks) the defaults are small so start-up compiles few buckets.
+        """
+        on_cpu = backend == "cpu"
         max_len = self.max_model_len or model_cfg.max_position_embeddings
+        max_seqs = self.max_num_seqs or (8 if on_cpu else 256)
         if max_len > model_cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_len} exceeds the model's max_position_embeddings "
                 f"({model_cfg.max_position_embeddings})")
         batched = self.max_num_batched_tokens
         if batched is None:
-            batched = 2048 if self.enable_chunked_prefill else max(2048, max_len)
+            batched = 128 if on_cpu else 2048
+            batched = max(batched, max_seqs) if self.enable_chunked_prefill else max(batched, max_len)
         if not self.enable_chunked_prefill and batched < max_len:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) must be >= max_model_len ({max_len}) when chunked "
                 "prefill is disabled, or no long prompt could ever be scheduled")
-        if batched < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({self.max_num_seqs})")
+        if batched < max_seqs:
+            raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({max_seqs})")
         token_buckets = self.token_buckets or tuple(default_token_buckets(batched))
-        seq_buckets = self.seq_buckets or tuple(default_seq_buckets(self.max_num_seqs))
+        seq_buckets = self.seq_buckets or tuple(default_seq_buckets(max_seqs))
         if max(token_buckets) < batched:
             raise ValueError(f"the largest token bucket ({max(token_buckets)}) must be >= "
                              f"max_num_batched_tokens ({batched})")
-        if max(seq_buckets) < self.max_num_seqs:
-            raise ValueError(f"the largest sequence bucket ({max(seq_buckets)}) must be >= "
-                             f"max_num_seqs ({self.max_num_seqs})")
-        return dataclasses.replace(self, max_model_len=max_len, max_num_batched_tokens=batched,
+        if max(seq_buckets) < max_seqs:
+            raise ValueError(f"the largest sequence bucket ({max(seq_buckets)}) must be >= max_num_seqs ({max_seqs})")
+        return dataclasses.replace(self, max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=batched,
                                    token_buckets=token_buckets, seq_buckets=seq_buckets)
 
     @property
