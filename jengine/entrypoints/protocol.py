@@ -1,0 +1,189 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their translation to `SamplingParams`.
+
+Field names, types and defaults follow OpenAI's API plus vLLM's extra sampling fields. Unknown fields
+are ignored, as vLLM does. Everything a client can get wrong raises ValueError (-> HTTP 400) here, so
+no bad value reaches the engine thread.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES
+from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# OpenAI allows at most 5 logprobs for completions; vLLM accepts up to the sampler's width.
+MAX_COMPLETION_LOGPROBS = MAX_LOGPROBS
+MAX_STOP_STRINGS = 16
+_I64 = 2**63
+
+Int64 = Annotated[int, Field(ge=-_I64, lt=_I64)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens spelled "token_id:N"
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        kw = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        return SamplingParams(
+            n=self.n, seed=self.seed, stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs, logit_bias=self.logit_bias,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, **kw)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it must equal n when given)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {self.logprobs}")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported (prompt logprobs are not computed)")
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValueError("top_logprobs needs logprobs=true")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling_params(max_tokens, logprobs)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if not x:
+            raise ValueError("input must not be empty")
+        if all(isinstance(t, int) for t in x):
+            return [list(x)]
+        return list(x)
+
+
+def check_fits_engine(params: SamplingParams, vocab_size: int, eos_token_ids, max_num_seqs: int) -> None:
+    """Limits the sampler enforces only inside a step (where an error would stop the engine)."""
+    if params.n > max_num_seqs:
+        raise ValueError(f"n must be <= {max_num_seqs} (max_num_seqs), got {params.n}")
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    entries = set(params.logit_bias) | set(params.stop_token_ids) | set(eos_token_ids)
+    if len(entries) > DEFAULT_MAX_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias and stop_token_ids together may name at most "
+                         f"{DEFAULT_MAX_BIAS_ENTRIES} tokens, got {len(entries)}")

@@ -1,0 +1,106 @@
+"""`jengine serve MODEL`: the OpenAI-compatible HTTP server (uvicorn), flags named as vLLM's.
+
+SIGTERM / Ctrl-C: uvicorn stops accepting connections and waits for the responses in flight; then the
+app's shutdown drains the engine, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+
+from jengine.presets import DEFAULT_MODEL
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from jengine.cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Start an OpenAI-compatible server (/v1/completions, "
+                              "/v1/chat/completions, /v1/embeddings, /v1/models, /tokenize, /metrics, ...).")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"HF model directory, Orbax directory or preset (default {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JENGINE_API_KEY if set)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported for now")
+    p.add_argument("--token-buckets", type=_int_list, default=None,
+                   help="comma-separated token-count buckets to compile (default: derived)")
+    p.add_argument("--seq-buckets", type=_int_list, default=None,
+                   help="comma-separated sequence-count buckets to compile (default: derived)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    add_engine_args(p)
+    p.set_defaults(func=run_server)
+    return p
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jengine.async_llm import AsyncLLM
+    from jengine.cli import engine_kwargs
+    from jengine.engine import LLMEngine
+    from jengine.engine_config import EngineConfig
+    from jengine.entrypoints.api_server import build_app
+    from jengine.metrics import EngineMetrics
+    from jengine.tokenizer import load_tokenizer
+
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} is not supported yet; only 1 is")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get("JENGINE_API_KEY") or None
+    name = args.served_model_name or args.model
+    kwargs = engine_kwargs(args)
+    kwargs.update(token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
+    engine = LLMEngine(EngineConfig(model=args.model, **kwargs), progress=sys.stderr.isatty())
+    metrics = EngineMetrics(name)
+    llm = AsyncLLM.from_engine(engine, stat_logger=metrics.record, on_abort=lambda _: metrics.record_aborted())
+    app = build_app(llm, name, tokenizer=load_tokenizer(args.model), api_key=api_key, metrics=metrics)
+    logging.getLogger(__name__).info("serving %s as %r on http://%s:%d (%d buckets compiled in %.1fs)",
+                                     args.model, name, args.host, args.port, engine.num_compiled_buckets,
+                                     engine.startup_seconds)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_keep_alive=5)
+    try:
+        _draining_server_class()(config).run()
+    finally:
+        llm.shutdown(drain=False, timeout=30)
+    return 0
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, but a SIGTERM/SIGINT that drained cleanly exits 0 instead of re-raising."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return DrainingServer

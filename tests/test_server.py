@@ -1,0 +1,176 @@
+"""The OpenAI-compatible server, as a real subprocess, driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from test_server_harness import API_KEY, MODEL, Server
+
+from jengine import LLM, SamplingParams
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "JAX compiles", "a"]
+GREEDY_EXTRA = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server()
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def _ids(logprobs_tokens) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in logprobs_tokens]
+
+
+def _wait_idle(server, timeout=20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        idle = (m["jengine:num_requests_running"], m["jengine:num_requests_waiting"],
+                m["jengine:kv_cache_usage_perc"]) == (0, 0, 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_health_version_and_models(server, client):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "version" in httpx.get(f"{server.url}/version").json()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_completions_equal_llm_generate(client):
+    async def all_at_once():
+        aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+        return await asyncio.gather(*(aclient.completions.create(
+            model=MODEL, prompt=p, max_tokens=12, temperature=0, logprobs=0, extra_body=GREEDY_EXTRA)
+            for p in PROMPTS))
+
+    served = [_ids(r.choices[0].logprobs.tokens) for r in asyncio.run(all_at_once())]
+    llm = LLM(MODEL, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64),
+              seq_buckets=(8,), use_tqdm_on_load=False)
+    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert served == [e.outputs[0].token_ids for e in expected]
+
+
+def test_streamed_completion_text_equals_the_non_streamed_one(client):
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 10 == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streaming_with_usage_and_logprobs(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi there"}], max_tokens=6, temperature=0,
+              logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    assert all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs) == 6
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n_and_seed_give_reproducible_samples(client):
+    kw = dict(model=MODEL, prompt="Once upon", max_tokens=8, temperature=1.0, n=3, seed=7,
+              extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 24
+
+
+def test_stop_echo_and_several_prompts(client):
+    kw = dict(model=MODEL, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(prompt="Hello", **kw).choices[0].text
+    stop = next(ch for ch in text[3:] if ch.strip())
+    stopped = client.completions.create(prompt="Hello", stop=[stop], **kw).choices[0]
+    assert stopped.text == text[: text.index(stop)] and stopped.finish_reason == "stop"
+    assert client.completions.create(prompt="Hello", echo=True, **kw).choices[0].text == "Hello" + text
+    multi = client.completions.create(prompt=["Hello", "abc"], **kw)
+    assert [c.index for c in multi.choices] == [0, 1] and multi.choices[0].text == text
+
+
+def test_tokenize_detokenize_and_embeddings(server, client):
+    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "héllo"}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert detok["prompt"].endswith("héllo")
+    emb = client.embeddings.create(model=MODEL, input=["hello", "world"])
+    vecs = [d.embedding for d in emb.data]
+    assert len(vecs) == 2 and len(vecs[0]) == 256 and vecs[0] != vecs[1]
+    assert abs(sum(x * x for x in vecs[0]) - 1.0) < 1e-4
+
+
+ERROR_CASES = [
+    ("malformed json", "/v1/completions", b"{not json", 400),
+    ("missing prompt", "/v1/completions", {"max_tokens": 4}, 400),
+    ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400),
+    ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400),
+    ("top_p out of range", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400),
+    ("n too large", "/v1/completions", {"prompt": "x", "n": 1000}, 400),
+    ("prompt too long", "/v1/completions", {"prompt": "x" * 400, "max_tokens": 4}, 400),
+    ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400),
+    ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400),
+    ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404),
+    ("unknown route", "/v1/nothing", {}, 404),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_bad_requests_get_openai_error_bodies(server, name, path, body, status):
+    kw = {"content": body, "headers": {**server.headers, "content-type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body, "headers": server.headers}
+    r = httpx.post(f"{server.url}{path}", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
+def test_v1_routes_need_the_api_key(server, headers):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/embeddings")):
+        r = httpx.request(method, f"{server.url}{path}", json={"prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/health", headers=headers).status_code == 200
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
+    body = {"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    before = server.metrics().get("jengine:request_success_total[abort]", 0)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 4:
+                break
+    m = _wait_idle(server)
+    assert (m["jengine:num_requests_running"], m["jengine:kv_cache_usage_perc"]) == (0, 0)
+    assert m["jengine:request_success_total[abort]"] == before + 1
+
+
+def test_metrics_count_tokens_requests_and_latencies(server, client):
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    m = _wait_idle(server)
+    assert m["jengine:prompt_tokens_total"] > 0 and m["jengine:generation_tokens_total"] >= 3
+    assert m["jengine:request_success_total[length]"] >= 1
+    assert m["jengine:prefix_cache_queries_total"] >= m["jengine:prefix_cache_hits_total"] >= 0
+    for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "iteration_tokens_total"):
+        assert m[f"jengine:{hist}_count"] >= 1, hist
