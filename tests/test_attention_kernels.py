@@ -84,7 +84,8 @@ def test_kernel_matches_reference(impl, name, q_lens, kv_lens, group, head_dim, 
                                   clean_tpu_interpreter):
     args = make_case(zlib.crc32(name.encode()), q_lens, kv_lens, group=group, head_dim=head_dim, page_size=page_size,
                      dtype=dtype)
-    config = CONFIGS[impl] if name.startswith(("mixed", "long")) else None
+    # Default tiles take the GPU's two-launch path (decodes and prefills apart) for mixed buckets.
+    config = CONFIGS[impl] if name in ("mixed_gqa8_idle_slot", "long_decode_and_chunk") else None
     out = rpa.ragged_paged_attention(*args, sm_scale=head_dim**-0.5, impl=impl, interpret=True, config=config,
                                      **options)
     assert_matches_reference(out, args, sum(q_lens), sm_scale=head_dim**-0.5, **options)
@@ -110,6 +111,16 @@ def test_gpu_work_items_cover_every_token_once():
         assert s_ == -1 or (cu[s_] <= a and b <= cu[s_ + 1])
     np.testing.assert_array_equal(covered, 1)
     assert set(seq[(start < end)].tolist()) == {0, 2, -1}  # the idle slot 1 gets no block
+
+
+def test_gpu_mixed_launches_split_short_and_long_sequences():
+    cu, n = jnp.asarray([0, 1, 9, 10, 10], jnp.int32), jnp.asarray([3], jnp.int32)
+    short = gpu.work_items(cu, n, 12, 4, select="short", short_len=4, num_items=4)
+    long = gpu.work_items(cu, n, 12, 4, select="long", short_len=4)
+    short_rows = {(int(a), int(b), int(s_)) for s_, a, b in zip(*(np.asarray(x) for x in short)) if a < b}
+    assert short_rows == {(0, 1, 0), (9, 10, 2)}
+    long_rows = {(int(a), int(b), int(s_)) for s_, a, b in zip(*(np.asarray(x) for x in long)) if a < b}
+    assert long_rows == {(1, 5, 1), (5, 9, 1), (10, 12, -1)}
 
 
 def test_tpu_work_items_list_every_sequence_of_each_block_in_order():

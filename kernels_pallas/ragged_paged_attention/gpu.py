@@ -48,10 +48,9 @@ TUNED = {
 NUM_SMS = 132
 
 
-def default_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, page_size: int,
-                   max_kv_len: int) -> GpuConfig:
-    """Pick tile sizes from static shapes only (so one bucket compiles one program)."""
-    kind = "decode" if num_tokens <= 2 * num_seqs else "prefill"
+def tuned_config(kind: str, num_seqs: int, num_kv_heads: int, group: int, page_size: int,
+                 max_kv_len: int) -> GpuConfig:
+    """Tile sizes for a "decode" or "prefill" launch, from static shapes only."""
     t = TUNED[kind]
     block_q = max(1, t["rows"] // group)
     block_kv = max(page_size, t["block_kv"] // page_size * page_size)
@@ -64,10 +63,13 @@ def default_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     return GpuConfig(block_q, block_kv, splits, t["num_warps"], t["num_stages"])
 
 
-def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block_q: int):
-    """Query blocks `(seq, q_start, q_end)`, each `[I]` int32, I = cdiv(T, block_q) + S + 1.
+def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block_q: int, *,
+               select: str = "all", short_len: int = 1, num_items: int | None = None):
+    """Query blocks `(seq, q_start, q_end)`, each `[num_items]` int32 (default cdiv(T, block_q) + S + 1).
 
     seq = -1 marks the padding segment (tokens past cu_q_lens[num_seqs]) and unused entries.
+    select: "all" segments; "short" = sequences with 1..short_len query tokens; "long" = the others,
+    padding segment included.
     """
     s = cu_q_lens.shape[0] - 1
     n = num_seqs[0]
@@ -77,8 +79,13 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block
     seg_end = jnp.where(idx < n, cu_next, num_tokens)
     seg_end = jnp.maximum(seg_end, seg_start)
     count = (seg_end - seg_start + block_q - 1) // block_q
+    if select != "all":
+        length = seg_end - seg_start
+        short = (idx < n) & (length >= 1) & (length <= short_len)
+        count = jnp.where(short if select == "short" else ~short, count, 0)
     ends = jnp.cumsum(count)
-    num_items = pl.cdiv(num_tokens, block_q) + s + 1
+    if num_items is None:
+        num_items = pl.cdiv(num_tokens, block_q) + s + 1
     i = jnp.arange(num_items, dtype=jnp.int32)
     # compare_all: a handful of vector ops; the default binary search is a device while-loop.
     seg = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), s).astype(jnp.int32)
@@ -92,8 +99,10 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block
 
 def _kernel(seq_ref, qs_ref, qe_ref, kv_lens_ref, cu_ref, pages_ref,  # metadata
             q_ref, k_ref, v_ref,  # q [T, G, D] of this kv head; k/v [num_pages, page_size, D]
-            o_ref, *lse_ref,  # o [T, G, D]; with splits also lse [T, G]
-            block_q, group, block_kv, page_size, num_splits, num_items, sm_scale, soft_cap, window):
+            *refs,  # [o_in (aliased to o)], o [T, G, D], [lse [T, G] with splits]
+            aliased, block_q, group, block_kv, page_size, num_splits, num_items, sm_scale, soft_cap, window):
+    refs = refs[1:] if aliased else refs
+    o_ref, lse_ref = refs[0], refs[1:]
     item = num_items - 1 - pl.program_id(0)  # last blocks of a sequence (most keys) start first
     split = pl.program_id(2)
     num_pages, _, head_dim = k_ref.shape
@@ -178,52 +187,42 @@ def _merge_splits(o, lse):
     return (w[..., None] * o).sum(axis=0) / jnp.where(den == 0.0, 1.0, den)[..., None]
 
 
-def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                               sliding_window=None, soft_cap=None, config: GpuConfig | None = None,
-                               interpret=False):
-    """Same contract as `reference.ragged_paged_attention`; inputs are assumed validated."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
-    num_seqs_max, pages_per_seq = page_indices.shape
-    group = num_q_heads // num_kv_heads
-    if config is None:
-        config = default_config(num_tokens, num_seqs_max, num_kv_heads, group, page_size,
-                                pages_per_seq * page_size)
-    # Triton tiles need power-of-two sides: pad the group with zero query heads if it is not.
-    group_p = 1 << (group - 1).bit_length()
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    if group_p != group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
-    block_q = max(1, config.block_q * group // group_p)
-    seq, q_start, q_end = work_items(cu_q_lens, num_seqs, num_tokens, block_q)
-    num_items = seq.shape[0]
+def _launch(qg, kv_cache, kv_lens, page_indices, cu_q_lens, items, config, block_q, out, *, sm_scale,
+            sliding_window, soft_cap, interpret):
+    """One pallas_call over `items`; writes its rows of `out` (aliased) or of a fresh array."""
+    num_tokens, num_kv_heads, group, head_dim = qg.shape
+    _, _, num_pages, page_size, _ = kv_cache.shape
+    num_items = items[0].shape[0]
     splits = config.num_kv_splits
-
     kernel = functools.partial(
-        _kernel, block_q=block_q, group=group_p, block_kv=config.block_kv, page_size=page_size,
-        num_splits=splits, num_items=num_items, sm_scale=float(sm_scale),
+        _kernel, aliased=out is not None, block_q=block_q, group=group, block_kv=config.block_kv,
+        page_size=page_size, num_splits=splits, num_items=num_items, sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if sliding_window is None else int(sliding_window))
 
     def whole(x):
         return pl.BlockSpec(x.shape, lambda i, h, s: (0,) * x.ndim)
 
-    meta = (seq, q_start, q_end, kv_lens, cu_q_lens, page_indices)
-    in_specs = [whole(x) for x in meta] + [
-        pl.BlockSpec((num_tokens, None, group_p, head_dim), lambda i, h, s: (0, h, 0, 0)),
+    head_spec = pl.BlockSpec((num_tokens, None, group, head_dim), lambda i, h, s: (0, h, 0, 0))
+    inputs = (*items, kv_lens, cu_q_lens, page_indices, qg, kv_cache, kv_cache)
+    in_specs = [whole(x) for x in inputs[:6]] + [
+        head_spec,
         pl.BlockSpec((None, None, num_pages, page_size, head_dim), lambda i, h, s: (0, h, 0, 0, 0)),
         pl.BlockSpec((None, None, num_pages, page_size, head_dim), lambda i, h, s: (1, h, 0, 0, 0)),
     ]
-    o_shape = (num_tokens, num_kv_heads, group_p, head_dim)
+    aliases = {}
+    if out is not None:
+        assert splits == 1
+        inputs, in_specs, aliases = (*inputs, out), [*in_specs, head_spec], {len(inputs): 0}
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct(o_shape, q.dtype)
-        out_specs = pl.BlockSpec((num_tokens, None, group_p, head_dim), lambda i, h, s: (0, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct(qg.shape, qg.dtype)
+        out_specs = head_spec
     else:
-        out_shape = (jax.ShapeDtypeStruct((splits, *o_shape), jnp.float32),
-                     jax.ShapeDtypeStruct((splits, *o_shape[:-1]), jnp.float32))
+        out_shape = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
         out_specs = (
-            pl.BlockSpec((None, num_tokens, None, group_p, head_dim), lambda i, h, s: (s, 0, h, 0, 0)),
-            pl.BlockSpec((None, num_tokens, None, group_p), lambda i, h, s: (s, 0, h, 0)),
+            pl.BlockSpec((None, num_tokens, None, group, head_dim), lambda i, h, s: (s, 0, h, 0, 0)),
+            pl.BlockSpec((None, num_tokens, None, group), lambda i, h, s: (s, 0, h, 0)),
         )
     res = pl.pallas_call(
         kernel,
@@ -231,9 +230,52 @@ def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(*meta, qg, kv_cache, kv_cache)
-    out = res if splits == 1 else _merge_splits(*res).astype(q.dtype)
+    )(*inputs)
+    return res if splits == 1 else _merge_splits(*res).astype(qg.dtype)
+
+
+def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                               sliding_window=None, soft_cap=None, config: GpuConfig | None = None,
+                               interpret=False):
+    """Same contract as `reference.ragged_paged_attention`; inputs are assumed validated.
+
+    config None: decode buckets (T <= 2 S) run one launch with the decode tile; other buckets run two
+    launches into one output, short sequences (decodes) with the decode tile and the rest with the
+    prefill tile, so a decode in a mixed batch does not pay for a prefill-sized tile.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
+    num_seqs_max, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    # Triton tiles need power-of-two sides: pad the group with zero query heads if it is not.
+    group_p = 1 << (group - 1).bit_length()
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    if group_p != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+    meta = (kv_lens, page_indices, cu_q_lens)
+    tuned = functools.partial(tuned_config, num_seqs=num_seqs_max, num_kv_heads=num_kv_heads, group=group,
+                              page_size=page_size, max_kv_len=pages_per_seq * page_size)
+
+    def block_q_of(cfg):
+        return max(1, cfg.block_q * group // group_p)
+
+    if config is None and num_tokens > 2 * num_seqs_max:
+        dec = dataclasses.replace(tuned("decode"), num_kv_splits=1)
+        pre = tuned("prefill")
+        bq_dec, bq_pre = block_q_of(dec), block_q_of(pre)
+        items = work_items(cu_q_lens, num_seqs, num_tokens, bq_dec, select="short", short_len=bq_dec,
+                           num_items=num_seqs_max)
+        out = _launch(qg, kv_cache, *meta, items, dec, bq_dec, None, **kw)
+        items = work_items(cu_q_lens, num_seqs, num_tokens, bq_pre, select="long", short_len=bq_dec)
+        out = _launch(qg, kv_cache, *meta, items, pre, bq_pre, out, **kw)
+    else:
+        config = config or tuned("decode" if num_tokens <= 2 * num_seqs_max else "prefill")
+        block_q = block_q_of(config)
+        items = work_items(cu_q_lens, num_seqs, num_tokens, block_q)
+        out = _launch(qg, kv_cache, *meta, items, config, block_q, None, **kw)
     return out[:, :, :group].reshape(num_tokens, num_q_heads, head_dim)
