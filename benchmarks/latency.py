@@ -38,6 +38,8 @@ def main() -> None:
         prompts = random_prompts(batch, args.input_len, engine.model_config.vocab_size, seed=batch)
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         runs = []
+        engine.timings.clear()
+        steps0 = engine.stats["steps"]
         for it in range(args.num_iters):
             engine.scheduler.block_manager.reset_prefix_cache()
             start = time.perf_counter()
@@ -47,15 +49,19 @@ def main() -> None:
             last = max(o.metrics.finished_time for o in outs)
             runs.append((e2e, (last - first) / (args.output_len - 1)))
         e2e, step = sorted(runs)[len(runs) // 2]
+        num_steps = engine.stats["steps"] - steps0
+        phases = {k: 1e3 * v / num_steps for k, v in engine.timings.items()}
         bound = weight_bytes / H200_COPY_BW
         rows.append({"batch": batch, "e2e_s": e2e, "ms_per_step": step * 1e3,
                      "out_tok_s": batch * args.output_len / e2e, "decode_tok_s": batch / step,
-                     "bound_ms_per_step": bound * 1e3, "fraction_of_bound": bound / step})
+                     "bound_ms_per_step": bound * 1e3, "fraction_of_bound": bound / step,
+                     "host_ms_per_step": phases})
         r = rows[-1]
         print(f"batch {batch:4d}: e2e {e2e:7.2f}s  step {r['ms_per_step']:7.2f} ms  "
               f"decode {r['decode_tok_s']:9.1f} tok/s  out {r['out_tok_s']:9.1f} tok/s  "
               f"weight-stream bound {r['bound_ms_per_step']:.2f} ms "
               f"({100 * r['fraction_of_bound']:.0f}% of it)")
+        print("    ms per step by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     save(args.output_json, {"env": environment(), "args": vars(args), "results": rows})
 
 

@@ -6,6 +6,7 @@ prompt's full pages through the prefix cache; their completions are gathered int
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -77,6 +78,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, str] = {}
         self._rng_counter = 0
+        self.timings: collections.Counter = collections.Counter()  # seconds per phase of step()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_prompt_tokens": 0, "steps": 0,
                       "preemptions": 0}
 
@@ -145,11 +147,21 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the requests that advanced (cumulative text)."""
+        clock = time.perf_counter
+        t0 = clock()
         sched = self.scheduler.schedule()
         self._move_pages(sched)
         if not sched.scheduled:
             return []
-        result = to_host(self.runner.execute(self._step_input(sched)))
+        t1 = clock()
+        inp = self._step_input(sched)
+        t2 = clock()
+        pending = self.runner.execute(inp)
+        t3 = clock()
+        result = to_host(pending)
+        t4 = clock()
+        for key, dt in (("schedule", t1 - t0), ("prepare", t2 - t1), ("launch", t3 - t2), ("wait", t4 - t3)):
+            self.timings[key] += dt
         self.stats["steps"] += 1
         self.stats["preemptions"] += len(sched.preempted)
         self.stats["computed_prompt_tokens"] += sum(
@@ -168,7 +180,9 @@ class LLMEngine:
             self._record_token(child, result, i, request.request_id in finished)
             if group_id not in touched:
                 touched.append(group_id)
-        return [self._make_output(gid) for gid in touched]
+        outputs = [self._make_output(gid) for gid in touched]
+        self.timings["update"] += clock() - t4
+        return outputs
 
     def _move_pages(self, sched: SchedulerOutput) -> None:
         if sched.blocks_to_swap_out:
