@@ -10,6 +10,7 @@ on the device. Example (one H200):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -63,16 +64,18 @@ def counts(q_lens, kv_lens, hq=HQ, hkv=HKV, d=D, itemsize=2):
     return kv_bytes, 4 * d * hq * visible
 
 
-def bench(fn, args, iters, reps=5):
-    """Median µs per call of `fn(*args)`, calls issued back to back `iters` at a time."""
-    jax.block_until_ready(fn(*args))
+def bench(fn, args, calls, reps=5):
+    """Median µs per call of `fn(q, *rest)`: `calls` calls on distinct copies of q inside one jitted
+    program, so host dispatch is paid once per program rather than once per call."""
+    q, rest = args[0], args[1:]
+    qs = [(q.astype(jnp.float32) * (1.0 + 1e-3 * i)).astype(q.dtype) for i in range(calls)]
+    many = jax.jit(lambda qs, *rest: [fn(x, *rest) for x in qs])
+    jax.block_until_ready(many(qs, *rest))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters * 1e6)
+        jax.block_until_ready(many(qs, *rest))
+        times.append((time.perf_counter() - t0) / calls * 1e6)
     return statistics.median(times)
 
 
@@ -84,9 +87,34 @@ def bundled_decode(q, cache, kv_lens, table, page_size):
     pages = table.shape[1]
     k_splits = max(s for s in (1, 2, 4, 8, 16) if pages % s == 0)
     ppcb = max(p for p in (1, 2, 4, 8) if (pages // k_splits) % p == 0)
-    fn = jax.jit(lambda q, c, lens, t: bundled.paged_attention(
-        q, c[0], c[1], t, lens, k_splits=k_splits, pages_per_compute_block=ppcb))
-    return fn, (q, cache, kv_lens, table)
+    fn = lambda q, k, v, lens, t: bundled.paged_attention(  # noqa: E731
+        q, k, v, t, lens, k_splits=k_splits, pages_per_compute_block=ppcb)
+    return fn, (q, cache[0], cache[1], kv_lens, table)  # K/V split once, outside the timed program
+
+
+def dense_anchors(ctx, calls):
+    """JAX's bundled dense causal attention kernels on one sequence of `ctx` tokens: µs by name."""
+    from jax.experimental.pallas.ops.gpu import attention, attention_mgpu
+
+    k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(k1, (1, ctx, HQ, D), jnp.bfloat16)
+    k = jax.random.normal(k2, (1, ctx, HKV, D), jnp.bfloat16)
+    v = jax.random.normal(k3, (1, ctx, HKV, D), jnp.bfloat16)
+    rep = HQ // HKV
+    out = {}
+    fns = {
+        "bundled triton mha (dense)": (lambda q, k, v: attention.mha(
+            q, jnp.repeat(k, rep, 2), jnp.repeat(v, rep, 2), None, sm_scale=D**-0.5, causal=True), (k, v)),
+        "bundled mosaic-gpu attention (dense)": (lambda q, k, v: attention_mgpu.attention(
+            q, k, v, attention_mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2,
+                                                 causal=True)), (k, v)),
+    }
+    for name, (fn, rest) in fns.items():
+        try:
+            out[name] = bench(fn, (q, *rest), calls)
+        except Exception as e:  # an anchor that does not run here is reported, not fatal
+            print(f"{name}: failed: {type(e).__name__}: {e}"[:300], flush=True)
+    return out
 
 
 def check(dtype, page_size):
@@ -127,9 +155,11 @@ def main(argv=None):
                    "'block_q,block_kv,splits,warps,stages' to time side by side (default: the table)")
     p.add_argument("--max-tokens", type=int, default=65536, help="skip prefill shapes with more q tokens")
     p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--calls", type=int, default=10, help="kernel calls per timed program")
     p.add_argument("--no-bundled", action="store_true", help="skip JAX's bundled decode kernel")
     p.add_argument("--check", action="store_true", help="check against the reference first")
+    p.add_argument("--anchors", action="store_true",
+                   help="for prefill B=1, also time JAX's bundled dense causal attention kernels")
     p.add_argument("--json", default=None, help="write results to this file")
     a = p.parse_args(argv)
 
@@ -153,12 +183,11 @@ def main(argv=None):
                 bundled_us = None
                 if mode == "decode" and not a.no_bundled:
                     fn, bargs = bundled_decode(args[0], args[1], args[2], args[3], a.page_size)
-                    bundled_us = bench(fn, bargs, a.iters)
+                    bundled_us = bench(fn, bargs, a.calls)
                 for cfg in configs:
-                    fn = jax.jit(lambda *x, cfg=cfg: ragged_paged_attention(
-                        *x, sm_scale=D**-0.5, impl=a.impl, config=cfg))
+                    fn = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, impl=a.impl, config=cfg)
                     try:
-                        us = bench(fn, args, a.iters)
+                        us = bench(fn, args, a.calls)
                     except Exception as e:  # a config that does not compile is reported, not fatal
                         print(f"{mode:8}{b:>5}{ctx:>7}  {str(cfg):24} failed: {type(e).__name__}: {e}"[:300])
                         continue
@@ -172,6 +201,11 @@ def main(argv=None):
                 if bundled_us:
                     print(f"{'':8}{'':>5}{'':>7}  {'bundled paged_attention':24}{bundled_us:10.1f}"
                           f"{kv_bytes / bundled_us / 1e6:9.2f}", flush=True)
+                if mode == "prefill" and b == 1 and a.anchors:
+                    for name, us in dense_anchors(ctx, a.calls).items():
+                        rows.append(dict(mode=mode, batch=b, ctx=ctx, config=name, us=us, tflop_s=flops / us / 1e6))
+                        print(f"{'':8}{'':>5}{'':>7}  {name[:24]:24}{us:10.1f}{'':9}{flops / us / 1e6:9.1f}",
+                              flush=True)
                 del args
     if a.json:
         with open(a.json, "w") as f:

@@ -49,11 +49,12 @@ NUM_SMS = 132
 
 
 def tuned_config(kind: str, num_seqs: int, num_kv_heads: int, group: int, page_size: int,
-                 max_kv_len: int) -> GpuConfig:
+                 max_kv_len: int, itemsize: int = 2) -> GpuConfig:
     """Tile sizes for a "decode" or "prefill" launch, from static shapes only."""
     t = TUNED[kind]
     block_q = max(1, t["rows"] // group)
-    block_kv = max(page_size, t["block_kv"] // page_size * page_size)
+    # f32 tiles take twice the shared memory: halve the key block (the table is for 2-byte types).
+    block_kv = max(page_size, t["block_kv"] * 2 // max(itemsize, 2) // page_size * page_size)
     splits = 1
     if kind == "decode":
         # Enough programs to fill every SM twice, but no split shorter than a few blocks.
@@ -259,7 +260,8 @@ def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
     meta = (kv_lens, page_indices, cu_q_lens)
     tuned = functools.partial(tuned_config, num_seqs=num_seqs_max, num_kv_heads=num_kv_heads, group=group,
-                              page_size=page_size, max_kv_len=pages_per_seq * page_size)
+                              page_size=page_size, max_kv_len=pages_per_seq * page_size,
+                              itemsize=q.dtype.itemsize)
 
     def block_q_of(cfg):
         return max(1, cfg.block_q * group // group_p)
