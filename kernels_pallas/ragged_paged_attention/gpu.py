@@ -53,7 +53,8 @@ def tuned_config(kind: str, num_seqs: int, num_kv_heads: int, group: int, page_s
     """Tile sizes for a "decode" or "prefill" launch, from static shapes only."""
     t = TUNED[kind]
     block_q = max(1, t["rows"] // group)
-    # f32 tiles take twice the shared memory: halve the key block (the table is for 2-byte types).
+    # f32 tiles take twice the shared memory: halve the key block and drop pipelining (the table is
+    # for 2-byte types; an f32 prefill tile overflowed the H200's 227 KiB).
     block_kv = max(page_size, t["block_kv"] * 2 // max(itemsize, 2) // page_size * page_size)
     splits = 1
     if kind == "decode":
@@ -61,7 +62,8 @@ def tuned_config(kind: str, num_seqs: int, num_kv_heads: int, group: int, page_s
         programs = num_seqs * num_kv_heads
         splits = max(1, min(16, (2 * NUM_SMS) // max(programs, 1), max_kv_len // (4 * block_kv)))
         splits = 1 << (splits.bit_length() - 1)
-    return GpuConfig(block_q, block_kv, splits, t["num_warps"], t["num_stages"])
+    stages = t["num_stages"] if itemsize <= 2 else 1
+    return GpuConfig(block_q, block_kv, splits, t["num_warps"], stages)
 
 
 def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block_q: int, *,
