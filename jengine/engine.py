@@ -20,7 +20,7 @@ from jengine.engine_config import EngineConfig
 from jengine.kv_cache import num_device_pages, num_host_pages
 from jengine.loader import load_model
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
-from jengine.request import Request
+from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, build_step_input, to_host
 from jengine.sampler import SamplingRow, build_sampling_tensors
 from jengine.sampling_params import SamplingParams
@@ -78,6 +78,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, str] = {}
         self._rng_counter = 0
+        self._inflight = None  # (SchedulerOutput, SamplerOutput, next ids) of the step running on the device
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of step()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_prompt_tokens": 0, "steps": 0,
                       "preemptions": 0}
@@ -141,47 +142,77 @@ class LLMEngine:
             self._child_to_group.pop(child.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or self._inflight is not None
 
     # ------------------------------------------------------------------ one iteration
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of the requests that advanced (cumulative text)."""
+        """Run one iteration; returns the outputs of the requests that advanced (cumulative text).
+
+        Asynchronous: step N+1 is scheduled, prepared and launched before step N's tokens are read
+        back, so the device never waits for Python. Tokens not known on the host yet are filled in on
+        the device from step N's output; the outputs returned are those of step N.
+        """
         clock = time.perf_counter
         t0 = clock()
         sched = self.scheduler.schedule()
         self._move_pages(sched)
-        if not sched.scheduled:
-            return []
-        t1 = clock()
-        inp = self._step_input(sched)
-        t2 = clock()
-        pending = self.runner.execute(inp)
-        t3 = clock()
+        self.timings["schedule"] += clock() - t0
+        outputs: list[RequestOutput] = []
+        inflight, self._inflight = self._inflight, None
+        launched = None
+        if sched.scheduled:
+            if inflight is not None and self._needs_history(sched):
+                outputs += self._resolve(*inflight)  # penalties need every previous token on the host
+                inflight = None
+            t1 = clock()
+            inp = self._step_input(sched, inflight[0] if inflight else None)
+            t2 = clock()
+            launched = (sched, *self.runner.execute(inp, inflight[2] if inflight else None))
+            self.timings["prepare"] += t2 - t1
+            self.timings["launch"] += clock() - t2
+            self.stats["steps"] += 1
+            self.stats["preemptions"] += len(sched.preempted)
+            self.stats["computed_prompt_tokens"] += sum(
+                s.num_new_tokens for s in sched.scheduled if s.start_position < s.request.num_prompt_tokens)
+        if inflight is not None:
+            outputs += self._resolve(*inflight)
+        if launched is not None:
+            self.scheduler.commit(sched)
+            self._inflight = launched
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Resolve the step still on the device, if any (e.g. one that ran ahead of a finish)."""
+        inflight, self._inflight = self._inflight, None
+        return self._resolve(*inflight) if inflight is not None else []
+
+    def _needs_history(self, sched: SchedulerOutput) -> bool:
+        return any(e.request.sampling_params.uses_penalties and PLACEHOLDER in e.request.output_token_ids[-1:]
+                   for e in sched.scheduled)
+
+    def _resolve(self, sched: SchedulerOutput, pending, _next_ids) -> list[RequestOutput]:
+        """Read a launched step's results, apply them to the requests, and build their outputs."""
+        t0 = time.perf_counter()
         result = to_host(pending)
-        t4 = clock()
-        for key, dt in (("schedule", t1 - t0), ("prepare", t2 - t1), ("launch", t3 - t2), ("wait", t4 - t3)):
-            self.timings[key] += dt
-        self.stats["steps"] += 1
-        self.stats["preemptions"] += len(sched.preempted)
-        self.stats["computed_prompt_tokens"] += sum(
-            s.num_new_tokens for s in sched.scheduled if s.start_position < s.request.num_prompt_tokens)
-        finished = {r.request_id for r in self.scheduler.update(sched, result.next_ids.tolist())}
+        t1 = time.perf_counter()
+        finished = {r.request_id for r in self.scheduler.resolve(sched, result.next_ids.tolist())}
         touched = []
         for i, entry in enumerate(sched.scheduled):
-            if not entry.produces_token:
-                continue
             request = entry.request
             group_id = self._child_to_group.get(request.request_id)
-            if group_id is None:
+            if not entry.produces_token or group_id is None:
                 continue
+            if request.is_finished and request.request_id not in finished:
+                continue  # ended in an earlier step; this row ran ahead of that news
             self.stats["generation_tokens"] += 1
             child = next(c for c in self._groups[group_id].children if c.request is request)
             self._record_token(child, result, i, request.request_id in finished)
             if group_id not in touched:
                 touched.append(group_id)
         outputs = [self._make_output(gid) for gid in touched]
-        self.timings["update"] += clock() - t4
+        self.timings["wait"] += t1 - t0
+        self.timings["update"] += time.perf_counter() - t1
         return outputs
 
     def _move_pages(self, sched: SchedulerOutput) -> None:
@@ -192,14 +223,16 @@ class LLMEngine:
         if sched.blocks_to_copy:
             self.runner.copy_pages(sched.blocks_to_copy)
 
-    def _step_input(self, sched: SchedulerOutput):
+    def _step_input(self, sched: SchedulerOutput, previous: SchedulerOutput | None):
         ecfg = self.config
         num_tokens = pick_bucket(sched.num_scheduled_tokens, ecfg.token_buckets)
         num_seqs = pick_bucket(len(sched.scheduled), ecfg.seq_buckets)
+        prev_rows = {e.request.request_id: i for i, e in enumerate(previous.scheduled)} if previous else {}
         rows, sampling_rows = [], []
         for entry in sched.scheduled:
             request = entry.request
-            rows.append((entry.token_ids, entry.start_position, entry.block_table))
+            rows.append((entry.token_ids, entry.start_position, entry.block_table,
+                         prev_rows.get(request.request_id, -1)))
             child = self._child(request.request_id)
             sampling_rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids,
                                              request.output_token_ids, child.rng_counter if child else 0))

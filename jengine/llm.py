@@ -81,10 +81,14 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while len(done) < len(ids):
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                if not outputs and not self.engine.has_unfinished_requests():
+                    raise RuntimeError("the engine went idle with requests still unfinished")
+                for out in outputs:
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)
+            self.engine.drain()
         except BaseException:
             for rid in wanted - set(done):
                 self.engine.abort_request(rid)

@@ -19,6 +19,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+# An output token whose step is still running on the device (asynchronous scheduling).
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     """Where a request is in its life; the FINISHED_* values say why it ended."""
@@ -117,6 +120,16 @@ class Request:
     def num_tokens_to_compute(self) -> int:
         """Known tokens whose K/V is not in the cache yet (1 for a decode)."""
         return len(self._all_token_ids) - self.num_computed_tokens
+
+    def set_output_token(self, index: int, token_id: int) -> None:
+        """Fill in output `index`, appended earlier as PLACEHOLDER while its step was still running."""
+        self.output_token_ids[index] = int(token_id)
+        self._all_token_ids[self.num_prompt_tokens + index] = int(token_id)
+
+    def truncate_output(self, length: int) -> None:
+        """Drop outputs past `length` (placeholders of a step that ran after the request ended)."""
+        del self.output_token_ids[length:]
+        del self._all_token_ids[self.num_prompt_tokens + length :]
 
     def append_output_token(self, token_id: int) -> None:
         token_id = int(token_id)

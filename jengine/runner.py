@@ -11,6 +11,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -19,6 +20,7 @@ from jengine.buckets import shape_pairs
 from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
 from jengine.models import ModelInput, get_model_family
+from jengine.request import PLACEHOLDER
 from jengine.sampler import SamplerOutput, SamplingTensors, build_sampling_tensors, sample
 
 
@@ -29,21 +31,34 @@ class StepInput:
 
     model: ModelInput
     logits_indices: jax.Array  # [S] int32, index in T of each sequence's last scheduled token
+    prev_token_index: jax.Array  # [T] int32, row of the previous step's output to take the token from; -1: known
     sampling: SamplingTensors
 
 
-def _step(params, kv_caches, inp: StepInput, *, cfg: ModelConfig) -> tuple[list, SamplerOutput]:
+def _step(params, kv_caches, inp: StepInput, prev_ids, *, cfg: ModelConfig, max_seqs: int):
+    """One iteration. Tokens the host did not know yet (sampled by the step still running when this
+    one was prepared) are taken from that step's output `prev_ids [max_seqs]` on the device.
+
+    Returns the cache, the sampler output `[S]` and the sampled ids padded to `[max_seqs]`, which
+    the next step reads as its `prev_ids`.
+    """
+    known = inp.prev_token_index < 0
+    token_ids = jnp.where(known, inp.model.token_ids, prev_ids[jnp.maximum(inp.prev_token_index, 0)])
+    model_input = dataclasses.replace(inp.model, token_ids=token_ids)
     family = get_model_family(cfg.architecture)
-    kv_caches, hidden = family.forward(params, cfg, inp.model, kv_caches)  # hidden [T, H]
+    kv_caches, hidden = family.forward(params, cfg, model_input, kv_caches)  # hidden [T, H]
     logits = family.compute_logits(params, cfg, hidden[inp.logits_indices])  # [S, V]
-    return kv_caches, sample(logits, inp.sampling)
+    out = sample(logits, inp.sampling)
+    next_ids = jnp.zeros((max_seqs,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
+    return kv_caches, out, next_ids
 
 
 def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_per_seq: int,
                      block_size: int, sampling: SamplingTensors) -> StepInput:
-    """Numpy StepInput from scheduled rows `(token_ids, start_position, block_table)` in batch order.
+    """Numpy StepInput from scheduled rows `(token_ids, start_position, block_table, prev_row)`.
 
-    Padding tokens write nowhere (slot -1) and padding rows have no queries and no keys.
+    Token ids equal to PLACEHOLDER are filled on the device from row `prev_row` of the previous
+    step's output. Padding tokens write nowhere (slot -1); padding rows have no queries and no keys.
     """
     T, S = num_tokens_padded, num_seqs_padded
     token_ids = np.zeros(T, np.int32)
@@ -53,11 +68,18 @@ def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_p
     kv_lens = np.zeros(S, np.int32)
     page_indices = np.zeros((S, pages_per_seq), np.int32)
     logits_indices = np.zeros(S, np.int32)
+    prev_index = np.full(T, -1, np.int32)
     t = 0
-    for i, (ids, start, table) in enumerate(rows):
+    for i, (ids, start, table, prev_row) in enumerate(rows):
         n = len(ids)
         pos = np.arange(start, start + n, dtype=np.int32)
         table = np.asarray(table, np.int32)
+        ids = np.asarray(ids, np.int32)
+        unknown = ids == PLACEHOLDER
+        if unknown.any():
+            assert prev_row >= 0, "a placeholder token without the step that samples it"
+            prev_index[t : t + n][unknown] = prev_row
+            ids = np.where(unknown, 0, ids)
         token_ids[t : t + n] = ids
         positions[t : t + n] = pos
         slots[t : t + n] = table[pos // block_size] * block_size + pos % block_size
@@ -69,7 +91,7 @@ def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_p
     cu_q_lens[len(rows) + 1 :] = t
     model = ModelInput(token_ids=token_ids, positions=positions, slot_mapping=slots, cu_q_lens=cu_q_lens,
                        kv_lens=kv_lens, page_indices=page_indices, num_seqs=np.array([len(rows)], np.int32))
-    return StepInput(model=model, logits_indices=logits_indices, sampling=sampling)
+    return StepInput(model=model, logits_indices=logits_indices, prev_token_index=prev_index, sampling=sampling)
 
 
 class ModelRunner:
@@ -80,16 +102,19 @@ class ModelRunner:
         self.num_pages = num_pages
         self.kv_caches = kv_cache.allocate(cfg, num_pages, ecfg.block_size, cfg.dtype)
         self.host_pool = kv_cache.HostPagePool(cfg, num_host_pages, ecfg.block_size, cfg.dtype)
-        self._step = jax.jit(functools.partial(_step, cfg=cfg), donate_argnums=(1,))
+        self.max_seqs = max(ecfg.seq_buckets)
+        self.no_prev_ids = jnp.zeros((self.max_seqs,), jnp.int32)
+        self._step = jax.jit(functools.partial(_step, cfg=cfg, max_seqs=self.max_seqs), donate_argnums=(1,))
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (T, S) pair a step can be padded to: S sequences need at least S tokens."""
         return shape_pairs(self.ecfg.token_buckets, self.ecfg.seq_buckets)
 
-    def execute(self, inp: StepInput) -> SamplerOutput:
-        """Launch one step; the result stays on the device until the caller reads it."""
-        self.kv_caches, out = self._step(self.params, self.kv_caches, inp)
-        return out
+    def execute(self, inp: StepInput, prev_ids: jax.Array | None = None) -> tuple[SamplerOutput, jax.Array]:
+        """Launch one step (asynchronously): its sampler output, and its ids `[max_seqs]` for the next step."""
+        prev = self.no_prev_ids if prev_ids is None else prev_ids
+        self.kv_caches, out, next_ids = self._step(self.params, self.kv_caches, inp, prev)
+        return out, next_ids
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
         """A padding-only StepInput of the given bucket (writes nothing, reads nothing)."""
@@ -100,7 +125,7 @@ class ModelRunner:
         """Compile every bucket (and the page-move functions) before serving; returns the count."""
         buckets = self.buckets()
         for t, s in tqdm(buckets, desc="Compiling buckets", disable=not progress):
-            jax.block_until_ready(self.execute(self.dummy_input(t, s)))
+            jax.block_until_ready(self.execute(self.dummy_input(t, s)))  # compiles (T, S)
         self.kv_caches = kv_cache.copy_pages(self.kv_caches, [(0, 0)])
         if self.host_pool.pages is not None:
             self.host_pool.swap_out(self.kv_caches, [(0, 0)])

@@ -31,7 +31,7 @@ from bisect import insort
 from collections.abc import Iterable, Sequence
 
 from jengine.block_manager import BlockManager
-from jengine.request import Request, RequestStatus
+from jengine.request import PLACEHOLDER, Request, RequestStatus
 
 _STATUS_BY_REASON = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -127,6 +127,7 @@ class Scheduler:
         # Each queue stays sorted by `_sort_key`: the head is the oldest (or most urgent) request.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.finishing: list[Request] = []  # committed their last token; finish when it is resolved
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self._seq_no: dict[str, int] = {}  # admission-order tie-break for equal arrival times
@@ -341,12 +342,39 @@ class Scheduler:
     # ------------------------------------------------------------------ after the step
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
-        """Record a finished step; returns the requests that finished in it.
+        """Record a finished step; returns the requests that finished in it (`commit` + `resolve`).
 
         `sampled_token_ids` holds one id per scheduled request in batch order (entries of requests
         that did not sample, and any padding past the batch, are ignored), or exactly one id per
         request that sampled, in batch order.
         """
+        self.commit(output)
+        return self.resolve(output, sampled_token_ids)
+
+    def commit(self, output: SchedulerOutput) -> None:
+        """Advance past a launched step before its tokens are known (asynchronous scheduling).
+
+        The KV of the scheduled tokens is now being computed, and each sampling request gets a
+        PLACEHOLDER output token, so the next step can be scheduled while this one runs. A request
+        that reaches its length limit leaves the running queue here: it has nothing left to run.
+        """
+        for entry in output.scheduled:
+            request = entry.request
+            if request.is_finished:  # aborted since it was scheduled
+                continue
+            assert request.num_computed_tokens == entry.start_position, "schedule/commit out of step"
+            request.num_computed_tokens += entry.num_new_tokens
+            if not entry.produces_token:
+                continue
+            request.append_output_token(PLACEHOLDER)
+            at_limit = (request.max_tokens is not None and request.num_output_tokens >= request.max_tokens) or (
+                request.num_tokens >= self.max_seq_len)
+            if at_limit and request in self.running:
+                self.running.remove(request)
+                self.finishing.append(request)
+
+    def resolve(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
+        """Fill in a committed step's sampled tokens and apply the stop rules; returns finished requests."""
         entries = output.scheduled
         if len(sampled_token_ids) >= len(entries):
             tokens = iter(sampled_token_ids[:len(entries)])
@@ -364,35 +392,34 @@ class Scheduler:
         for entry in entries:
             token = next(tokens) if per_entry or entry.produces_token else None
             request = entry.request
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished or not entry.produces_token:
                 continue
-            assert request.num_computed_tokens == entry.start_position, "schedule/update out of step"
-            request.num_computed_tokens += entry.num_new_tokens
-            if not entry.produces_token:
-                continue
-            request.append_output_token(token)
+            index = entry.start_position + entry.num_new_tokens - request.num_prompt_tokens
+            request.set_output_token(index, token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            status = self._stop_status(request, int(token))
+            status = self._stop_status(request, int(token), index + 1)
             if status is not None:
                 if status == RequestStatus.FINISHED_STOPPED:
                     request.stop_reason = int(token)
+                request.truncate_output(index + 1)
                 self._finish(request, status, now)
                 finished.append(request)
         return finished
 
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        if request.num_output_tokens >= request.min_tokens:
+    def _stop_status(self, request: Request, token: int, num_outputs: int) -> RequestStatus | None:
+        """Whether output number `num_outputs` (this `token`) ends the request."""
+        if num_outputs >= request.min_tokens:
             if (token in self.eos_token_ids and not request.ignore_eos) or token in request.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
+        if request.max_tokens is not None and num_outputs >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_seq_len:
+        if request.num_prompt_tokens + num_outputs >= self.max_seq_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def _finish(self, request: Request, status: RequestStatus, now: float | None = None) -> None:
-        for queue in (self.running, self.waiting, self.swapped):
+        for queue in (self.running, self.waiting, self.swapped, self.finishing):
             if request in queue:
                 queue.remove(request)
                 break
