@@ -40,8 +40,9 @@ class GpuConfig:
 # Tuning table: (kind) -> settings, measured on an H200 (benchmarks/RESULTS.md). `rows` is the target
 # tile height block_q * group; block_kv is in tokens.
 TUNED = {
-    # decode: B=64 x 2k ctx 210 us with one stage vs 261 us with two (shared memory caps occupancy).
-    "decode": dict(rows=16, block_kv=128, num_warps=4, num_stages=1),
+    # decode: B=64 x 2k ctx 203 us with one stage and 8 warps; two stages 251 us (shared memory caps
+    # occupancy), 2 warps 327 us, block_kv 64 253 us, 256 229 us.
+    "decode": dict(rows=16, block_kv=128, num_warps=8, num_stages=1),
     # prefill: causal 4k tokens 501 us; rows 64/256 or block_kv 64 or 4 warps were slower.
     "prefill": dict(rows=128, block_kv=128, num_warps=8, num_stages=3),
 }
