@@ -104,16 +104,15 @@ def dense_anchors(ctx, calls):
     out = {}
     fns = {
         "bundled triton mha (dense)": (lambda q, k, v: attention.mha(
-            q, jnp.repeat(k, rep, 2), jnp.repeat(v, rep, 2), None, sm_scale=D**-0.5, causal=True), (k, v)),
+            q, k, v, None, sm_scale=D**-0.5, causal=True), (q, jnp.repeat(k, rep, 2), jnp.repeat(v, rep, 2))),
         # the Mosaic GPU kernel takes float16 only: same FLOPs, same bytes
         "bundled mosaic-gpu attention (dense, f16)": (lambda q, k, v: attention_mgpu.attention(
-            q.astype(jnp.float16), k, v, attention_mgpu.TuningConfig(
-                block_q=128, block_kv=128, max_concurrent_steps=2, causal=True)),
-            (k.astype(jnp.float16), v.astype(jnp.float16))),
+            q, k, v, attention_mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2, causal=True)),
+            tuple(x.astype(jnp.float16) for x in (q, k, v))),
     }
-    for name, (fn, rest) in fns.items():
+    for name, (fn, args) in fns.items():  # K/V heads repeated / cast once, outside the timed program
         try:
-            out[name] = bench(fn, (q, *rest), calls)
+            out[name] = bench(fn, args, calls)
         except Exception as e:  # an anchor that does not run here is reported, not fatal
             print(f"{name}: failed: {type(e).__name__}: {e}"[:300], flush=True)
     return out
