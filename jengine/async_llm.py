@@ -251,6 +251,8 @@ class AsyncLLM:
             with contextlib.suppress(Exception):  # best effort: give the pages back
                 self.engine.abort_request(request_id)
             stream.put(error)
+        with contextlib.suppress(Exception):  # a step may still be on the device; settle it
+            self.engine.drain()
         while True:
             try:
                 cmd = self._commands.get_nowait()

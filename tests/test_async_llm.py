@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -26,6 +27,18 @@ def llm(engine):
     llm = AsyncLLM.from_engine(engine)
     yield llm
     llm.shutdown(drain=False, timeout=10)
+
+
+@pytest.fixture
+def slow_steps(engine, monkeypatch):
+    """Steps of >= 5 ms, so a 200-token request is surely still running when the test acts on it."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
 
 
 def _pages_all_free(engine) -> bool:
@@ -54,7 +67,7 @@ def test_generate_streams_cumulative_outputs_matching_the_offline_engine(llm, en
     assert [r[-1].outputs[0].token_ids for r in results] == [e.outputs[0].token_ids for e in expected]
 
 
-def test_breaking_out_of_a_stream_aborts_the_request_and_frees_its_pages(llm, engine):
+def test_breaking_out_of_a_stream_aborts_the_request_and_frees_its_pages(llm, engine, slow_steps):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def main():
@@ -72,7 +85,7 @@ def test_breaking_out_of_a_stream_aborts_the_request_and_frees_its_pages(llm, en
     assert asyncio.run(main())
 
 
-def test_abort_from_another_task_ends_the_stream_quietly(llm, engine):
+def test_abort_from_another_task_ends_the_stream_quietly(llm, engine, slow_steps):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def main():
@@ -124,7 +137,7 @@ def test_an_engine_failure_reaches_every_caller_instead_of_hanging(engine, monke
     assert _pages_all_free(engine)
 
 
-def test_shutdown_without_drain_fails_requests_in_flight(engine):
+def test_shutdown_without_drain_fails_requests_in_flight(engine, slow_steps):
     llm = AsyncLLM.from_engine(engine)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 

@@ -174,3 +174,25 @@ def test_metrics_count_tokens_requests_and_latencies(server, client):
     for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds", "iteration_tokens_total"):
         assert m[f"jengine:{hist}_count"] >= 1, hist
+
+
+def test_a_client_gone_before_a_non_streamed_reply_aborts_its_request(server):
+    before = server.metrics().get("jengine:request_success_total[abort]", 0)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", headers=server.headers, timeout=0.15,
+                   json={"prompt": "x", "max_tokens": 240, "n": 8, "ignore_eos": True})
+    deadline = time.monotonic() + 20
+    while server.metrics().get("jengine:request_success_total[abort]", 0) == before:
+        assert time.monotonic() < deadline, server.metrics()
+        time.sleep(0.1)
+    assert _wait_idle(server)["jengine:kv_cache_usage_perc"] == 0
+
+
+def test_serve_cli_binds_loopback_by_default_and_rejects_tensor_parallelism():
+    from jengine.cli import build_parser
+
+    args = build_parser().parse_args(["serve", MODEL])
+    assert (args.host, args.port, args.tensor_parallel_size) == ("127.0.0.1", 8000, 1)
+    args = build_parser().parse_args(["serve", MODEL, "--tensor-parallel-size", "2"])
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        args.func(args)

@@ -55,7 +55,7 @@ async def _unless_disconnected(raw: Request, coro):
     """Await `coro`, cancelling it (and so aborting its requests) if the client goes away first."""
     task = asyncio.ensure_future(coro)
     while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
+        done, _ = await asyncio.wait({task}, timeout=0.1)
         if done:
             return task.result()
         if await raw.is_disconnected():

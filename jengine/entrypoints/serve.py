@@ -50,6 +50,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} is not supported yet; only 1 is")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     import uvicorn
 
     from jengine.async_llm import AsyncLLM
@@ -60,10 +64,6 @@ def run_server(args: argparse.Namespace) -> int:
     from jengine.metrics import EngineMetrics
     from jengine.tokenizer import load_tokenizer
 
-    if args.tensor_parallel_size != 1:
-        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} is not supported yet; only 1 is")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("JENGINE_API_KEY") or None
     name = args.served_model_name or args.model
