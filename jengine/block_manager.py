@@ -149,7 +149,7 @@ class BlockManager:
         runs the last known token and has logits to sample from. Pure lookup: nothing is claimed until
         `allocate` is given these pages.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or getattr(request, "skip_prefix_cache", False):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[int] = []

@@ -50,6 +50,7 @@ class _Group:
     params: SamplingParams
     children: list[_Child]
     arrival_time: float
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position; [0] is None
 
 
 class LLMEngine:
@@ -112,8 +113,6 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by jengine yet")
         text, ids = self.tokenize_prompt(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
@@ -130,7 +129,11 @@ class LLMEngine:
                                    [] if params.logprobs is not None else None))
             self._rng_counter += 1
             self._child_to_group[child_id] = request_id
-        self._groups[request_id] = _Group(request_id, text, ids, params, children, arrival)
+        group = _Group(request_id, text, ids, params, children, arrival)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(ids)
+            children[0].request.skip_prefix_cache = True  # every prompt position must be computed
+        self._groups[request_id] = group
         self.stats["prompt_tokens"] += len(ids) * params.n
 
     def abort_request(self, request_id: str) -> None:
@@ -194,7 +197,9 @@ class LLMEngine:
     def _resolve(self, sched: SchedulerOutput, pending, _next_ids) -> list[RequestOutput]:
         """Read a launched step's results, apply them to the requests, and build their outputs."""
         t0 = time.perf_counter()
-        result = to_host(pending)
+        result = to_host(pending[0])
+        if any(self._prompt_targets(e) is not None for e in sched.scheduled):
+            self._record_prompt_logprobs(sched, to_host(pending[1]))
         t1 = time.perf_counter()
         finished = {r.request_id for r in self.scheduler.resolve(sched, result.next_ids.tolist())}
         touched = []
@@ -232,13 +237,38 @@ class LLMEngine:
         for entry in sched.scheduled:
             request = entry.request
             rows.append((entry.token_ids, entry.start_position, entry.block_table,
-                         prev_rows.get(request.request_id, -1)))
+                         prev_rows.get(request.request_id, -1), self._prompt_targets(entry)))
             child = self._child(request.request_id)
             sampling_rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids,
                                              request.output_token_ids, child.rng_counter if child else 0))
         sampling = build_sampling_tensors(sampling_rows, num_seqs, self.model_config.vocab_size,
                                           engine_seed=ecfg.seed, eos_token_ids=self.model_config.eos_token_ids)
         return build_step_input(rows, num_tokens, num_seqs, ecfg.pages_per_seq, ecfg.block_size, sampling)
+
+    def _prompt_targets(self, entry) -> list[int] | None:
+        """Next prompt token after each of the entry's tokens, for a request that wants prompt logprobs."""
+        request = entry.request
+        group = self._groups.get(self._child_to_group.get(request.request_id, ""))
+        if group is None or group.prompt_logprobs is None or group.children[0].request is not request:
+            return None
+        prompt = request.prompt_token_ids
+        start, end = entry.start_position, entry.start_position + entry.num_new_tokens
+        if start >= len(prompt) - 1:
+            return None
+        return [prompt[p + 1] if p + 1 < len(prompt) else -1 for p in range(start, end)]
+
+    def _record_prompt_logprobs(self, sched: SchedulerOutput, plp) -> None:
+        t = 0
+        for entry in sched.scheduled:
+            targets = self._prompt_targets(entry)
+            if targets is not None:
+                group = self._groups[self._child_to_group[entry.request.request_id]]
+                k = group.params.prompt_logprobs
+                for j, target in enumerate(targets):
+                    if target >= 0:
+                        group.prompt_logprobs[entry.start_position + j + 1] = _logprob_entry(
+                            target, float(plp.token_logprobs[t + j]), plp.topk_ids[t + j], plp.topk_logprobs[t + j], k)
+            t += entry.num_new_tokens
 
     def _child(self, request_id: str) -> _Child | None:
         group = self._groups.get(self._child_to_group.get(request_id, ""))
@@ -249,13 +279,8 @@ class LLMEngine:
         token = request.output_token_ids[-1]
         child.cumulative_logprob += float(result.sampled_logprobs[row])
         if child.logprobs is not None:
-            k = request.sampling_params.logprobs
-            entry = {token: Logprob(float(result.sampled_logprobs[row]))}
-            for rank, (tid, lp) in enumerate(zip(result.topk_ids[row][:k], result.topk_logprobs[row][:k]), 1):
-                if tid >= 0:
-                    entry.setdefault(int(tid), Logprob(float(lp)))
-                    entry[int(tid)].rank = rank
-            child.logprobs.append(entry)
+            child.logprobs.append(_logprob_entry(token, float(result.sampled_logprobs[row]), result.topk_ids[row],
+                                                 result.topk_logprobs[row], request.sampling_params.logprobs))
         if finished and request.stop_reason is not None:
             child.stop_reason = request.stop_reason
         if child.detok is not None:
@@ -277,9 +302,22 @@ class LLMEngine:
         finished = all(o.finish_reason is not None for o in outputs)
         metrics = group.children[0].request.metrics
         out = RequestOutput(request_id=group_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-                            outputs=outputs, finished=finished, metrics=metrics)
+                            outputs=outputs, finished=finished, metrics=metrics, prompt_logprobs=group.prompt_logprobs)
         if finished:
             del self._groups[group_id]
             for child in group.children:
                 self._child_to_group.pop(child.request.request_id, None)
         return out
+
+
+def _logprob_entry(token: int, logprob: float, top_ids, top_logprobs, k: int) -> dict[int, Logprob]:
+    """vLLM's per-position logprobs: the chosen token plus the top k, each with its rank (1 = most likely)."""
+    entry = {int(token): Logprob(logprob)}
+    for rank, (tid, lp) in enumerate(zip(top_ids, top_logprobs), 1):
+        if tid < 0:
+            break
+        if int(tid) == int(token):
+            entry[int(token)].rank = rank
+        if rank <= k:
+            entry.setdefault(int(tid), Logprob(float(lp), rank))
+    return entry

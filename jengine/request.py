@@ -87,6 +87,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None  # the stop/eos token id that ended it, if one did
         self.num_preemptions = 0
+        # Prompt logprobs need every prompt position computed, so such a request takes no prefix hits.
+        self.skip_prefix_cache = False
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
 
         sp = sampling_params

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
 from jengine.models import ModelInput, get_model_family
 from jengine.request import PLACEHOLDER
-from jengine.sampler import SamplerOutput, SamplingTensors, build_sampling_tensors, sample
+from jengine.sampler import SamplingTensors, build_sampling_tensors, compute_logprobs, sample
+from jengine.sampling_params import MAX_LOGPROBS
 
 
 @jax.tree_util.register_dataclass
@@ -32,15 +34,52 @@ class StepInput:
     model: ModelInput
     logits_indices: jax.Array  # [S] int32, index in T of each sequence's last scheduled token
     prev_token_index: jax.Array  # [T] int32, row of the previous step's output to take the token from; -1: known
+    prompt_targets: jax.Array  # [T] int32, next prompt token whose logprob is wanted at each position; -1: none
     sampling: SamplingTensors
+
+
+class PromptLogprobs(NamedTuple):
+    token_logprobs: jax.Array  # [T] f32, logprob of prompt_targets
+    topk_ids: jax.Array  # [T, MAX_LOGPROBS] int32
+    topk_logprobs: jax.Array  # [T, MAX_LOGPROBS] f32
+
+
+PROMPT_LOGPROBS_CHUNK = 256  # tokens whose [C, V] logits exist at once when prompt logprobs are asked for
+
+
+def _prompt_logprobs(params, cfg: ModelConfig, hidden, targets) -> PromptLogprobs:
+    """Logprobs of the next prompt token at every position, in chunks so [T, V] never exists whole.
+
+    Behind a cond: a step where no request asks for prompt logprobs skips all of it.
+    """
+    family = get_model_family(cfg.architecture)
+    num_tokens = hidden.shape[0]
+    chunk = min(num_tokens, PROMPT_LOGPROBS_CHUNK)
+    pad = -num_tokens % chunk
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[1])
+    tgt = jnp.pad(jnp.maximum(targets, 0), (0, pad)).reshape(-1, chunk)
+
+    def compute():
+        def one(args):
+            return compute_logprobs(family.compute_logits(params, cfg, args[0]), args[1])
+
+        lp, ids, top = jax.lax.map(one, (h, tgt))
+        return PromptLogprobs(lp.reshape(-1)[:num_tokens], ids.reshape(-1, MAX_LOGPROBS)[:num_tokens],
+                              top.reshape(-1, MAX_LOGPROBS)[:num_tokens])
+
+    def skip():
+        return PromptLogprobs(jnp.zeros(num_tokens, jnp.float32), jnp.zeros((num_tokens, MAX_LOGPROBS), jnp.int32),
+                              jnp.zeros((num_tokens, MAX_LOGPROBS), jnp.float32))
+
+    return jax.lax.cond(jnp.any(targets >= 0), compute, skip)
 
 
 def _step(params, kv_caches, inp: StepInput, prev_ids, *, cfg: ModelConfig, max_seqs: int):
     """One iteration. Tokens the host did not know yet (sampled by the step still running when this
     one was prepared) are taken from that step's output `prev_ids [max_seqs]` on the device.
 
-    Returns the cache, the sampler output `[S]` and the sampled ids padded to `[max_seqs]`, which
-    the next step reads as its `prev_ids`.
+    Returns the cache, (the sampler output `[S]`, prompt logprobs `[T]`) and the sampled ids padded
+    to `[max_seqs]`, which the next step reads as its `prev_ids`.
     """
     known = inp.prev_token_index < 0
     token_ids = jnp.where(known, inp.model.token_ids, prev_ids[jnp.maximum(inp.prev_token_index, 0)])
@@ -50,12 +89,13 @@ def _step(params, kv_caches, inp: StepInput, prev_ids, *, cfg: ModelConfig, max_
     logits = family.compute_logits(params, cfg, hidden[inp.logits_indices])  # [S, V]
     out = sample(logits, inp.sampling)
     next_ids = jnp.zeros((max_seqs,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
-    return kv_caches, out, next_ids
+    return kv_caches, (out, _prompt_logprobs(params, cfg, hidden, inp.prompt_targets)), next_ids
 
 
 def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_per_seq: int,
                      block_size: int, sampling: SamplingTensors) -> StepInput:
-    """Numpy StepInput from scheduled rows `(token_ids, start_position, block_table, prev_row)`.
+    """Numpy StepInput from scheduled rows `(token_ids, start_position, block_table, prev_row, targets)`;
+    `targets` are the prompt tokens whose logprobs are wanted after each of the row's tokens (or None).
 
     Token ids equal to PLACEHOLDER are filled on the device from row `prev_row` of the previous
     step's output. Padding tokens write nowhere (slot -1); padding rows have no queries and no keys.
@@ -69,8 +109,9 @@ def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_p
     page_indices = np.zeros((S, pages_per_seq), np.int32)
     logits_indices = np.zeros(S, np.int32)
     prev_index = np.full(T, -1, np.int32)
+    prompt_targets = np.full(T, -1, np.int32)
     t = 0
-    for i, (ids, start, table, prev_row) in enumerate(rows):
+    for i, (ids, start, table, prev_row, targets) in enumerate(rows):
         n = len(ids)
         pos = np.arange(start, start + n, dtype=np.int32)
         table = np.asarray(table, np.int32)
@@ -81,6 +122,8 @@ def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_p
             prev_index[t : t + n][unknown] = prev_row
             ids = np.where(unknown, 0, ids)
         token_ids[t : t + n] = ids
+        if targets is not None:
+            prompt_targets[t : t + len(targets)] = targets
         positions[t : t + n] = pos
         slots[t : t + n] = table[pos // block_size] * block_size + pos % block_size
         page_indices[i, : len(table)] = table
@@ -91,7 +134,8 @@ def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_p
     cu_q_lens[len(rows) + 1 :] = t
     model = ModelInput(token_ids=token_ids, positions=positions, slot_mapping=slots, cu_q_lens=cu_q_lens,
                        kv_lens=kv_lens, page_indices=page_indices, num_seqs=np.array([len(rows)], np.int32))
-    return StepInput(model=model, logits_indices=logits_indices, prev_token_index=prev_index, sampling=sampling)
+    return StepInput(model=model, logits_indices=logits_indices, prev_token_index=prev_index,
+                     prompt_targets=prompt_targets, sampling=sampling)
 
 
 class ModelRunner:
@@ -110,8 +154,9 @@ class ModelRunner:
         """Every (T, S) pair a step can be padded to: S sequences need at least S tokens."""
         return shape_pairs(self.ecfg.token_buckets, self.ecfg.seq_buckets)
 
-    def execute(self, inp: StepInput, prev_ids: jax.Array | None = None) -> tuple[SamplerOutput, jax.Array]:
-        """Launch one step (asynchronously): its sampler output, and its ids `[max_seqs]` for the next step."""
+    def execute(self, inp: StepInput, prev_ids: jax.Array | None = None):
+        """Launch one step (asynchronously): (sampler output, prompt logprobs), and its ids `[max_seqs]`
+        for the next step. Results stay on the device until read."""
         prev = self.no_prev_ids if prev_ids is None else prev_ids
         self.kv_caches, out, next_ids = self._step(self.params, self.kv_caches, inp, prev)
         return out, next_ids
@@ -143,9 +188,9 @@ class ModelRunner:
         self.kv_caches = self.host_pool.swap_in(self.kv_caches, pairs)
 
 
-def to_host(out: SamplerOutput) -> SamplerOutput:
-    """Bring a step's results to numpy (blocks until the device is done)."""
-    return SamplerOutput(*(np.asarray(x) for x in jax.device_get(tuple(out))))
+def to_host(out):
+    """Bring a step's results (a NamedTuple of arrays) to numpy; blocks until the device is done."""
+    return type(out)(*(np.asarray(x) for x in jax.device_get(tuple(out))))
 
 
 __all__ = ["ModelRunner", "StepInput", "build_step_input", "to_host"]

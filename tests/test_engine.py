@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jengine import LLM, SamplingParams
-from jengine.generate import greedy_generate
+from jengine.generate import greedy_generate, prompt_logits
 from jengine.loader import load_model
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "models", "llama")
@@ -64,6 +64,29 @@ def test_chunked_prefill_with_tiny_budget_matches_transformers():
     llm = _make_llm(max_num_batched_tokens=8, token_buckets=(8,), max_num_seqs=4)
     prompts = [p for p, _ in HF_CASES]
     assert _greedy_tokens(llm, prompts) == [e for _, e in HF_CASES]
+    _assert_prompt_logprobs_match_logits(llm, HF_CASES[3][0])  # a prompt split over five chunks
+    _assert_no_leak(llm)
+
+
+def _assert_prompt_logprobs_match_logits(llm, prompt, k=2):
+    cfg, params = load_model(FIXTURE, dtype="float32")
+    logits = prompt_logits(cfg, params, prompt)
+    logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=k), use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert entry[prompt[pos]].logprob == pytest.approx(logprobs[pos - 1, prompt[pos]], abs=1e-4)
+        top = np.argsort(-logprobs[pos - 1])[:k]
+        assert {int(t) for t in top} <= set(entry)
+        assert [entry[int(t)].rank for t in top] == list(range(1, k + 1))
+
+
+def test_prompt_logprobs_match_the_models_logits_even_for_a_cached_prefix(llm):
+    prompt = HF_CASES[3][0]
+    llm.generate([prompt], GREEDY16, use_tqdm=False)  # its full pages are now in the prefix cache
+    _assert_prompt_logprobs_match_logits(llm, prompt)
     _assert_no_leak(llm)
 
 

@@ -37,7 +37,7 @@ def _random_params(rng: random.Random) -> SamplingParams:
     if rng.random() < 0.3:
         options.update(logit_bias={rng.randrange(256): 5.0}, seed=rng.randrange(1000))
     if rng.random() < 0.3:
-        options.update(logprobs=rng.randint(0, 5), n=rng.randint(1, 3))
+        options.update(logprobs=rng.randint(0, 5), n=rng.randint(1, 3), prompt_logprobs=rng.choice([None, 2]))
     if rng.random() < 0.2:
         options.update(stop=["ab"], stop_token_ids=[rng.randrange(256)], min_tokens=1)
     return SamplingParams(**options)
