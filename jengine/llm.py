@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from jengine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
 from jengine.outputs import RequestOutput
@@ -74,6 +75,14 @@ class LLM:
                                                  chat_template=chat_template)
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's `LLM.beam_search`): `params.beam_width` sequences per prompt, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return beam_search(self, list(prompts), params)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

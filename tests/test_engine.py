@@ -170,3 +170,21 @@ def test_over_long_prompt_and_bad_params_raise_clear_errors(llm):
     with pytest.raises(ValueError, match="unknown LLM argument"):
         LLM(FIXTURE, not_an_arg=1)
     _assert_no_leak(llm)
+
+
+def test_beam_search_with_width_one_is_greedy_and_wider_beams_score_no_worse(llm):
+    from jengine.beam_search import BeamSearchParams
+
+    prompt, expected = HF_CASES[2]
+    one = llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True))[0]
+    assert one.sequences[0].output_tokens == expected[:6]
+    wide = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True,
+                                                      length_penalty=0.0))[0]
+    assert len(wide.sequences) == 3
+    scores = [s.cum_logprob for s in wide.sequences]
+    assert scores == sorted(scores, reverse=True)
+    assert scores[0] >= one.sequences[0].cum_logprob - 1e-5
+    assert len({tuple(s.output_tokens) for s in wide.sequences}) == 3
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    _assert_no_leak(llm)
