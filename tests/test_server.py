@@ -129,6 +129,9 @@ ERROR_CASES = [
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400),
     ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400),
+    ("lone surrogate", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400),
+    ("lone surrogate in chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400),
+    ("lone surrogate to tokenize", "/tokenize", b'{"prompt": "\\ud800"}', 400),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404),
     ("unknown route", "/v1/nothing", {}, 404),
 ]

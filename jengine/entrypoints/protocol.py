@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -22,8 +22,30 @@ _I64 = 2**63
 Int64 = Annotated[int, Field(ge=-_I64, lt=_I64)]
 
 
+def _check_encodable(value, depth: int = 0) -> None:
+    """JSON may carry lone surrogates ("\\ud800"); no tokenizer can encode them, so reject them here."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("strings must be valid Unicode (no lone surrogates)") from None
+    elif depth < 8 and isinstance(value, dict):
+        for k, v in value.items():
+            _check_encodable(k, depth + 1)
+            _check_encodable(v, depth + 1)
+    elif depth < 8 and isinstance(value, list):
+        for v in value:
+            _check_encodable(v, depth + 1)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        _check_encodable(data)
+        return data
 
 
 class StreamOptions(_Body):
