@@ -63,7 +63,7 @@ class AsyncLLM:
     def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None,
                  stat_logger: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
                  on_abort: Callable[[str], None] | None = None,
-                 progress: bool = False, **engine_args):
+                 progress: bool = True, **engine_args):
         if engine is None:
             if model is None:
                 raise ValueError("AsyncLLM needs a model (or an engine)")
@@ -192,15 +192,22 @@ class AsyncLLM:
                             stream.put(_snapshot(out))
                             if out.finished:
                                 self._streams.pop(out.request_id, None)
-                    if self.stat_logger is not None:
-                        self.stat_logger(engine, outputs)
-                elif self.stat_logger is not None:
-                    self.stat_logger(engine, [])
+                    self._log_stats(outputs)
+                else:
+                    self._log_stats([])
         except BaseException as e:  # noqa: BLE001 - every failure must reach the callers
             logger.exception("engine loop failed")
             self._error = e
         finally:
             self._fail_all()
+
+    def _log_stats(self, outputs: list[RequestOutput]) -> None:
+        if self.stat_logger is None:
+            return
+        try:
+            self.stat_logger(self.engine, outputs)
+        except Exception:  # metrics must never take the engine down
+            logger.exception("stat logger failed")
 
     def _handle_commands(self, block: bool) -> None:
         try:
