@@ -22,7 +22,7 @@ from jengine.loader import load_model
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, build_step_input, to_host
-from jengine.sampler import SamplingRow, build_sampling_tensors
+from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES, SamplingRow, build_sampling_tensors
 from jengine.sampling_params import SamplingParams
 from jengine.scheduler import Scheduler, SchedulerOutput
 from jengine.tokenizer import load_tokenizer
@@ -113,6 +113,7 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_token_params(params)
         text, ids = self.tokenize_prompt(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
@@ -135,6 +136,18 @@ class LLMEngine:
             children[0].request.skip_prefix_cache = True  # every prompt position must be computed
         self._groups[request_id] = group
         self.stats["prompt_tokens"] += len(ids) * params.n
+
+    def _check_token_params(self, params: SamplingParams) -> None:
+        """Token ids in the params must exist in this model's vocabulary (the sampler would fail mid-step)."""
+        vocab = self.model_config.vocab_size
+        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"{field} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        entries = len(params.logit_bias) + len(params.all_stop_token_ids(self.model_config.eos_token_ids))
+        if entries > DEFAULT_MAX_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias and stop_token_ids together have {entries} entries; at most "
+                             f"{DEFAULT_MAX_BIAS_ENTRIES} are supported")
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.pop(request_id, None)

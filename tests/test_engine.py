@@ -167,6 +167,10 @@ def test_over_long_prompt_and_bad_params_raise_clear_errors(llm):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="vocabulary|token ids"):
         llm.generate([[10**6]], GREEDY16, use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([[1, 2]], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[1, 2]], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ValueError, match="unknown LLM argument"):
         LLM(FIXTURE, not_an_arg=1)
     _assert_no_leak(llm)
