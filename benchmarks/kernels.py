@@ -142,8 +142,7 @@ def check(dtype, page_size):
 def parse_config(text):
     if not text:
         return None
-    *ints, prefetch = [int(x) for x in text.split(",")] + [0] * (text.count(",") < 5)
-    return gpu_kernel.GpuConfig(*ints, prefetch=bool(prefetch))
+    return gpu_kernel.GpuConfig(*(int(x) for x in text.split(",")))
 
 
 def main(argv=None):
@@ -154,7 +153,7 @@ def main(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--impl", default=None, help="gpu / tpu / reference (default: by backend)")
     p.add_argument("--configs", default="", help="';'-separated GpuConfig overrides "
-                   "'block_q,block_kv,splits,warps,stages[,prefetch]' to time side by side (default: the table)")
+                   "'block_q,block_kv,splits,warps,stages' to time side by side (default: the table)")
     p.add_argument("--max-tokens", type=int, default=65536, help="skip prefill shapes with more q tokens")
     p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")
     p.add_argument("--calls", type=int, default=10, help="kernel calls per timed program")

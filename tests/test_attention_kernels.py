@@ -67,7 +67,7 @@ CASES = [
     ("long_decode_and_chunk", [1, 30], [300, 200], 4, 64, 32, jnp.bfloat16, {}),
 ]
 # Small explicit tiles force many kv blocks, several kv splits (GPU) and q blocks shared by sequences.
-CONFIGS = {"gpu": gpu.GpuConfig(block_q=4, block_kv=32, num_kv_splits=3, num_warps=4, num_stages=1, prefetch=True),
+CONFIGS = {"gpu": gpu.GpuConfig(block_q=4, block_kv=32, num_kv_splits=3, num_warps=4, num_stages=1),
            "tpu": tpu.TpuConfig(block_q=8, pages_per_block=2)}
 
 

@@ -35,7 +35,6 @@ class GpuConfig:
     num_kv_splits: int
     num_warps: int
     num_stages: int
-    prefetch: bool = False  # load block j+1 into registers while computing block j
 
 
 # Tuning table: (kind) -> settings, measured on an H200 (benchmarks/RESULTS.md). `rows` is the target
@@ -105,7 +104,7 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block
 def _kernel(seq_ref, qs_ref, qe_ref, kv_lens_ref, cu_ref, pages_ref,  # metadata
             q_ref, k_ref, v_ref,  # q [T, G, D] of this kv head; k/v [num_pages, page_size, D]
             *refs,  # [o_in (aliased to o)], o [T, G, D], [lse [T, G] with splits]
-            aliased, prefetch, block_q, group, block_kv, page_size, num_splits, num_items, sm_scale, soft_cap, window):
+            aliased, block_q, group, block_kv, page_size, num_splits, num_items, sm_scale, soft_cap, window):
     refs = refs[1:] if aliased else refs
     o_ref, lse_ref = refs[0], refs[1:]
     item = num_items - 1 - pl.program_id(0)  # last blocks of a sequence (most keys) start first
@@ -142,19 +141,13 @@ def _kernel(seq_ref, qs_ref, qe_ref, kv_lens_ref, cu_ref, pages_ref,  # metadata
     q = q.reshape(rows, head_dim)
     row_pos = first_pos + jnp.arange(rows) // group  # [rows]
 
-    def load_kv(b):  # K and V of key block b: a gather of pages_per_blk pages, [block_kv, D] each
+    def step(b, carry, masked):
+        acc, m, denom = carry
         pg_ok = b * pages_per_blk + jnp.arange(pages_per_blk) < pages_per_seq
         pg = plgpu.load(pages_ref.at[seq, pl.ds(b * pages_per_blk, pages_per_blk)], mask=pg_ok, other=0)
         pg = jnp.clip(pg, 0, num_pages - 1)
-        return k_ref[pg].reshape(block_kv, head_dim), v_ref[pg].reshape(block_kv, head_dim)
-
-    def step(b, carry, masked, last):
-        if prefetch:  # issue block b+1's loads before block b's math: latency hidden in registers
-            acc, m, denom, k, v = carry
-            nxt = load_kv(jnp.minimum(b + 1, last))
-        else:
-            acc, m, denom = carry
-            k, v = load_kv(b)
+        k = k_ref[pg].reshape(block_kv, head_dim)
+        v = v_ref[pg].reshape(block_kv, head_dim)
         s = plgpu.dot(q, k, trans_b=True)  # [rows, block_kv] f32
         if soft_cap is not None:
             s = (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
@@ -173,18 +166,12 @@ def _kernel(seq_ref, qs_ref, qe_ref, kv_lens_ref, cu_ref, pages_ref,  # metadata
         p = jnp.exp2(s - m_new[:, None])
         denom = denom * alpha + p.sum(axis=1)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
-        return (acc, m_new, denom, *nxt) if prefetch else (acc, m_new, denom)
-
-    def run(lo, hi, carry, masked):
-        body = functools.partial(step, masked=masked, last=jnp.maximum(hi - 1, lo))
-        if not prefetch:
-            return jax.lax.fori_loop(lo, hi, body, carry)
-        return jax.lax.fori_loop(lo, hi, body, (*carry, *load_kv(lo)))[:3]
+        return acc, m_new, denom
 
     carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), M_INIT, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    carry = run(blk_lo, blk_full, carry, masked=False)
-    acc, m, denom = run(blk_full, blk_hi, carry, masked=True)
+    carry = jax.lax.fori_loop(blk_lo, blk_full, functools.partial(step, masked=False), carry)
+    acc, m, denom = jax.lax.fori_loop(blk_full, blk_hi, functools.partial(step, masked=True), carry)
 
     out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
     o_mask = jnp.broadcast_to(tok_ok[:, None, None], (block_q, group, head_dim))
@@ -212,8 +199,8 @@ def _launch(qg, kv_cache, kv_lens, page_indices, cu_q_lens, items, config, block
     num_items = items[0].shape[0]
     splits = config.num_kv_splits
     kernel = functools.partial(
-        _kernel, aliased=out is not None, prefetch=config.prefetch, block_q=block_q, group=group,
-        block_kv=config.block_kv, page_size=page_size, num_splits=splits, num_items=num_items, sm_scale=float(sm_scale),
+        _kernel, aliased=out is not None, block_q=block_q, group=group, block_kv=config.block_kv,
+        page_size=page_size, num_splits=splits, num_items=num_items, sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if sliding_window is None else int(sliding_window))
 
