@@ -29,7 +29,7 @@ M_INIT = -1e30
 
 @dataclasses.dataclass(frozen=True)
 class TpuConfig:
-    block_q: int  # tokens per q block, a multiple of 8 (sublanes)
+    block_q: int  # tokens per q block, a multiple of 8 (f32) or 16 (bf16) sublanes
     pages_per_block: int  # K/V pages fetched per inner step
 
 
@@ -37,9 +37,10 @@ class TpuConfig:
 TUNED = {"decode": dict(rows=32, block_kv=128), "prefill": dict(rows=256, block_kv=256)}
 
 
-def default_config(num_tokens: int, num_seqs: int, group: int, page_size: int) -> TpuConfig:
+def default_config(num_tokens: int, num_seqs: int, group: int, page_size: int, itemsize: int) -> TpuConfig:
     t = TUNED["decode" if num_tokens <= 2 * num_seqs else "prefill"]
-    block_q = max(8, t["rows"] // group // 8 * 8)
+    sublanes = 8 * (4 // min(itemsize, 4))  # a native tile holds 8 rows of f32, 16 of bf16
+    block_q = max(sublanes, t["rows"] // group // sublanes * sublanes)
     return TpuConfig(block_q=block_q, pages_per_block=max(1, t["block_kv"] // page_size))
 
 
@@ -169,7 +170,7 @@ def ragged_paged_attention_tpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
     num_seqs_max, pages_per_seq = page_indices.shape
     group = num_q_heads // num_kv_heads
-    config = config or default_config(num_tokens, num_seqs_max, group, page_size)
+    config = config or default_config(num_tokens, num_seqs_max, group, page_size, q.dtype.itemsize)
     block_q = config.block_q
     num_blocks = pl.cdiv(num_tokens, block_q)
     padded = num_blocks * block_q
