@@ -148,6 +148,13 @@ def _bad(**change):
     return args, kw
 
 
+def test_numpy_scalars_are_accepted_as_static_options():
+    args = make_case(4, [3], [7], group=2, head_dim=64, page_size=16, dtype=jnp.float32)
+    out = rpa.ragged_paged_attention(*args, sm_scale=np.float64(0.125), sliding_window=np.int64(4),
+                                     soft_cap=np.float32(10.0))
+    assert out.shape == args[0].shape
+
+
 @pytest.mark.parametrize("arg,change", [
     ("q", dict(q=lambda q: q[0])),
     ("q", dict(q=lambda q: q.astype(jnp.int32))),
@@ -161,6 +168,7 @@ def _bad(**change):
     ("cu_q_lens", dict(cu_q_lens=lambda x: x[:-1])),
     ("num_seqs", dict(num_seqs=jnp.asarray([1, 1], jnp.int32))),
     ("sm_scale", dict(sm_scale=0.0)),
+    ("sm_scale", dict(sm_scale=jnp.float32(0.1))),  # a traced/array scale cannot shape the kernel
     ("sliding_window", dict(sliding_window=0)),
     ("soft_cap", dict(soft_cap=-1.0)),
     ("impl", dict(impl="cuda")),

@@ -7,6 +7,8 @@ choice and `interpret=True` runs a Pallas kernel in interpret mode (tests on CPU
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -54,11 +56,15 @@ def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
     _check(num_tokens > 0 and num_seqs_max > 0, "q", "needs at least one token row and one sequence row")
     _check(page_size > 0 and page_size & (page_size - 1) == 0, "kv_cache",
            f"page_size {page_size} must be a power of two")
-    _check(isinstance(sm_scale, (int, float)) and sm_scale > 0, "sm_scale", f"must be a positive float, got {sm_scale}")
-    _check(sliding_window is None or (isinstance(sliding_window, int) and sliding_window > 0), "sliding_window",
-           f"must be None or a positive int, got {sliding_window}")
-    _check(soft_cap is None or (isinstance(soft_cap, (int, float)) and soft_cap > 0), "soft_cap",
-           f"must be None or a positive float, got {soft_cap}")
+    # Static Python (or numpy) numbers only: they shape the compiled kernel.
+    def real(x):
+        return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+    _check(real(sm_scale) and sm_scale > 0, "sm_scale", f"must be a positive float, got {sm_scale!r}")
+    _check(sliding_window is None or (isinstance(sliding_window, numbers.Integral) and sliding_window > 0),
+           "sliding_window", f"must be None or a positive int, got {sliding_window!r}")
+    _check(soft_cap is None or (real(soft_cap) and soft_cap > 0), "soft_cap",
+           f"must be None or a positive float, got {soft_cap!r}")
 
 
 def ragged_paged_attention(
