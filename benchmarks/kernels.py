@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.kernels_pallas.ragged_paged_attention import gpu as gpu_kernel
-from jengine.kernels_pallas.ragged_paged_attention import ragged_paged_attention, reference
+from jengine.kernels_pallas.ragged_paged_attention import ragged_paged_attention, reference, write_kv
 
 HQ, HKV, D = 32, 8, 128
 
@@ -92,6 +92,30 @@ def bundled_decode(q, cache, kv_lens, table, page_size):
     return fn, (q, cache[0], cache[1], kv_lens, table)  # K/V split once, outside the timed program
 
 
+def bench_write_kv(cache, num_tokens, calls, reps=5):
+    """Median µs of one `write_kv` of `num_tokens` new tokens, inside a jitted program with the cache
+    donated (as in the model's step): `calls` writes chained in one program."""
+    hkv, num_pages, page_size, d = cache.shape[1:]
+    k1, k2 = jax.random.split(jax.random.key(9))
+    ks = jax.random.normal(k1, (calls, num_tokens, hkv, d), cache.dtype)
+    vs = jax.random.normal(k2, (calls, num_tokens, hkv, d), cache.dtype)
+    slots = jnp.asarray(np.random.default_rng(0).permutation(num_pages * page_size)[:num_tokens], jnp.int32)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def many(cache, ks, vs, slots):
+        for i in range(calls):
+            cache = write_kv(cache, ks[i], vs[i], slots)
+        return cache
+
+    cache = jax.block_until_ready(many(cache, ks, vs, slots))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        cache = jax.block_until_ready(many(cache, ks, vs, slots))
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times), cache
+
+
 def dense_anchors(ctx, calls):
     """JAX's bundled dense causal attention kernels on one sequence of `ctx` tokens: µs by name."""
     from jax.experimental.pallas.ops.gpu import attention, attention_mgpu
@@ -159,6 +183,8 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=10, help="kernel calls per timed program")
     p.add_argument("--no-bundled", action="store_true", help="skip JAX's bundled decode kernel")
     p.add_argument("--check", action="store_true", help="check against the reference first")
+    p.add_argument("--write-kv", action="store_true",
+                   help="also time write_kv of each batch's new tokens (cache donated)")
     p.add_argument("--anchors", action="store_true",
                    help="for prefill B=1, also time JAX's bundled dense causal attention kernels")
     p.add_argument("--json", default=None, help="write results to this file")
@@ -202,6 +228,15 @@ def main(argv=None):
                 if bundled_us:
                     print(f"{'':8}{'':>5}{'':>7}  {'bundled paged_attention':24}{bundled_us:10.1f}"
                           f"{kv_bytes / bundled_us / 1e6:9.2f}", flush=True)
+                if a.write_kv:
+                    n_new = sum(q_lens)
+                    us, cache = bench_write_kv(args[1], n_new, a.calls)
+                    args = (args[0], cache, *args[2:])
+                    written = n_new * HKV * D * 2 * 2
+                    rows.append(dict(mode=mode, batch=b, ctx=ctx, config="write_kv", us=us,
+                                     write_gb_s=written / us / 1e3))
+                    print(f"{'':8}{'':>5}{'':>7}  {'write_kv (' + str(n_new) + ' tokens)':24}{us:10.1f}"
+                          f"  {written / us / 1e3:.1f} GB/s written", flush=True)
                 if mode == "prefill" and b == 1 and a.anchors:
                     for name, us in dense_anchors(ctx, a.calls).items():
                         rows.append(dict(mode=mode, batch=b, ctx=ctx, config=name, us=us, tflop_s=flops / us / 1e6))
