@@ -10,7 +10,8 @@ write zeros, so padding rows cost one cheap program per block and need no separa
 Each program walks its sequence's pages `block_kv` tokens at a time (a gather of block_kv/page_size
 pages), with an online softmax in f32. Blocks wholly below the causal diagonal skip the mask. For
 small batches (decode) the key range is split over `num_kv_splits` programs whose partial results are
-merged by a log-sum-exp combine outside the kernel.
+merged by a log-sum-exp combine outside the kernel. Mixed buckets run two launches into one output
+(aliased): short sequences (decodes) with the decode tile, the rest with the prefill tile.
 """
 
 from __future__ import annotations
