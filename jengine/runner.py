@@ -74,13 +74,53 @@ def _prompt_logprobs(params, cfg: ModelConfig, hidden, targets) -> PromptLogprob
     return jax.lax.cond(jnp.any(targets >= 0), compute, skip)
 
 
-def _step(params, kv_caches, inp: StepInput, prev_ids, *, cfg: ModelConfig, max_seqs: int):
+def pack(inp: StepInput) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """Flatten a numpy StepInput into one int32 and one float32 buffer plus a hashable layout.
+
+    Two transfers per step instead of ~25: on the H200 (benchmarks/dispatch.py) a jitted call with
+    30 numpy arguments blocked until the previous computation finished, one with 2 did not. (The
+    engine's step launch still blocks for another reason; see benchmarks/RESULTS.md.)
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(inp)
+    ints, floats, spec = [], [], []
+    for leaf in leaves:
+        a = np.asarray(leaf)
+        if a.dtype == np.float32:
+            floats.append(a.ravel())
+        elif a.dtype == np.uint32:
+            ints.append(a.ravel().view(np.int32))
+        else:
+            ints.append(a.ravel().astype(np.int32))
+        spec.append((a.shape, a.dtype.str))
+    return np.concatenate(ints), np.concatenate(floats), (treedef, tuple(spec))
+
+
+def unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> StepInput:
+    """Inverse of `pack`, inside the jitted step (static slices, so free)."""
+    treedef, spec = layout
+    leaves, io, fo = [], 0, 0
+    for shape, dtype_str in spec:
+        dtype, size = np.dtype(dtype_str), int(np.prod(shape, dtype=np.int64))
+        if dtype == np.float32:
+            leaf, fo = floats[fo : fo + size], fo + size
+        else:
+            leaf, io = ints[io : io + size], io + size
+            if dtype == np.uint32:
+                leaf = jax.lax.bitcast_convert_type(leaf, jnp.uint32)
+            elif dtype == np.bool_:
+                leaf = leaf != 0
+        leaves.append(leaf.reshape(shape))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _step(params, kv_caches, ints, floats, prev_ids, *, layout, cfg: ModelConfig, max_seqs: int):
     """One iteration. Tokens the host did not know yet (sampled by the step still running when this
     one was prepared) are taken from that step's output `prev_ids [max_seqs]` on the device.
 
     Returns the cache, (the sampler output `[S]`, prompt logprobs `[T]`) and the sampled ids padded
     to `[max_seqs]`, which the next step reads as its `prev_ids`.
     """
+    inp = unpack(ints, floats, layout)
     known = inp.prev_token_index < 0
     token_ids = jnp.where(known, inp.model.token_ids, prev_ids[jnp.maximum(inp.prev_token_index, 0)])
     model_input = dataclasses.replace(inp.model, token_ids=token_ids)
@@ -148,7 +188,8 @@ class ModelRunner:
         self.host_pool = kv_cache.HostPagePool(cfg, num_host_pages, ecfg.block_size, cfg.dtype)
         self.max_seqs = max(ecfg.seq_buckets)
         self.no_prev_ids = jnp.zeros((self.max_seqs,), jnp.int32)
-        self._step = jax.jit(functools.partial(_step, cfg=cfg, max_seqs=self.max_seqs), donate_argnums=(1,))
+        self._step = jax.jit(functools.partial(_step, cfg=cfg, max_seqs=self.max_seqs), donate_argnums=(1,),
+                             static_argnames=("layout",))
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (T, S) pair a step can be padded to: S sequences need at least S tokens."""
@@ -158,7 +199,8 @@ class ModelRunner:
         """Launch one step (asynchronously): (sampler output, prompt logprobs), and its ids `[max_seqs]`
         for the next step. Results stay on the device until read."""
         prev = self.no_prev_ids if prev_ids is None else prev_ids
-        self.kv_caches, out, next_ids = self._step(self.params, self.kv_caches, inp, prev)
+        ints, floats, layout = pack(inp)
+        self.kv_caches, out, next_ids = self._step(self.params, self.kv_caches, ints, floats, prev, layout=layout)
         return out, next_ids
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:

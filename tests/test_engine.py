@@ -77,7 +77,8 @@ def _assert_prompt_logprobs_match_logits(llm, prompt, k=2):
     assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
     for pos in range(1, len(prompt)):
         entry = out.prompt_logprobs[pos]
-        assert entry[prompt[pos]].logprob == pytest.approx(logprobs[pos - 1, prompt[pos]], abs=1e-4)
+        # 2e-3: on a GPU, f32 matmuls may run in TF32.
+        assert entry[prompt[pos]].logprob == pytest.approx(logprobs[pos - 1, prompt[pos]], abs=2e-3)
         top = np.argsort(-logprobs[pos - 1])[:k]
         assert {int(t) for t in top} <= set(entry)
         assert [entry[int(t)].rank for t in top] == list(range(1, k + 1))

@@ -1,0 +1,88 @@
+"""Where a decode step's time goes: full step vs forward only, and whether launching blocks.
+
+    python benchmarks/step_probe.py --batch-sizes 1 8 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jengine.engine import LLMEngine
+from jengine.engine_config import EngineConfig
+from jengine.runner import build_step_input
+from jengine.sampler import build_sampling_tensors
+from jengine.sampling_params import SamplingParams
+
+
+def _median_ms(fn, n=20):
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="jengine/llama-3.1-8b")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    args = parser.parse_args()
+    seqs = tuple(sorted(set(args.batch_sizes)))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=1024, max_num_seqs=max(seqs),
+                                    max_num_batched_tokens=max(64, max(seqs)), token_buckets=(max(64, max(seqs)),),
+                                    seq_buckets=seqs, gpu_memory_utilization=args.gpu_memory_utilization),
+                       progress=False)
+    runner, cfg = engine.runner, engine.model_config
+    family_forward = jax.jit(lambda p, c, mi: runner_forward(p, c, mi, cfg), donate_argnums=(1,))
+    for b in args.batch_sizes:
+        pages = args.context // 16 + 1
+        rng = np.random.default_rng(b)
+        rows = [([int(rng.integers(1000))], args.context, list(range(1 + i * pages, 1 + (i + 1) * pages)), -1, None)
+                for i in range(b)]
+        sampling = build_sampling_tensors([(SamplingParams(temperature=0), [1], [])] * b, b, cfg.vocab_size)
+        inp = build_step_input(rows, max(64, max(seqs)), b, engine.config.pages_per_seq, 16, sampling)
+
+        def sync_step(inp=inp):
+            jax.block_until_ready(runner.execute(inp))
+
+        launches = []
+
+        def burst(inp=inp, launches=launches):
+            out = None
+            for _ in range(10):
+                t = time.perf_counter()
+                out = runner.execute(inp)
+                launches.append(time.perf_counter() - t)
+            jax.block_until_ready(out)
+
+        sync_step()
+        step_ms = _median_ms(sync_step)
+        burst_ms = _median_ms(burst, 3) / 10
+        model_in = jax.device_put(inp.model)
+
+        def fwd(model_in=model_in):
+            runner.kv_caches, h = family_forward(runner.params, runner.kv_caches, model_in)
+            jax.block_until_ready(h)
+
+        fwd()
+        fwd_ms = _median_ms(fwd)
+        print(f"B={b:3d}: sync step {step_ms:6.2f} ms | back-to-back {burst_ms:6.2f} ms/step, launch median "
+              f"{1e3 * statistics.median(launches):6.2f} ms | forward only {fwd_ms:6.2f} ms")
+
+
+def runner_forward(params, caches, model_input, cfg):
+    from jengine.models import get_model_family
+
+    return get_model_family(cfg.architecture).forward(params, cfg, model_input, caches)
+
+
+if __name__ == "__main__":
+    main()
