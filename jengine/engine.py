@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import time
 
 import jax
@@ -58,6 +59,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, warmup: bool = True, progress: bool = True):
         t0 = time.perf_counter()
+        if config.compilation_cache_dir:
+            _enable_compilation_cache(config.compilation_cache_dir)
         self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
                                                seed=config.seed)
         self.config = config.resolve(self.model_config, jax.default_backend())
@@ -321,6 +324,13 @@ class LLMEngine:
             for child in group.children:
                 self._child_to_group.pop(child.request.request_id, None)
         return out
+
+
+def _enable_compilation_cache(path: str) -> None:
+    """Persist compiled step programs so a restart skips XLA compilation (first user of the process wins)."""
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _logprob_entry(token: int, logprob: float, top_ids, top_logprobs, k: int) -> dict[int, Logprob]:

@@ -30,6 +30,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
+    compilation_cache_dir: str | None = "~/.cache/jengine/xla"  # persistent XLA cache; None: off
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
 

@@ -1,0 +1,32 @@
+"""The persistent compilation cache: a second start loads the step programs instead of compiling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+_SCRIPT = """
+import json, sys, jax
+hits = []
+HIT = "/jax/compilation_cache/cache_hits"
+jax.monitoring.register_event_listener(lambda e, **k: hits.append(e) if e == HIT else None)
+from jengine import LLM
+llm = LLM("jengine/tiny-llama", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,),
+          seq_buckets=(2,), compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
+print(json.dumps({"hits": len(hits), "buckets": llm.engine.num_compiled_buckets}))
+"""
+
+
+def _start(cache_dir) -> dict:
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_start_hits_the_persistent_compilation_cache(tmp_path):
+    first = _start(tmp_path)
+    assert first["buckets"] == 1 and first["hits"] == 0
+    assert any(tmp_path.iterdir()), "the first start wrote nothing to the cache"
+    second = _start(tmp_path)
+    assert second["hits"] >= 1
