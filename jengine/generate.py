@@ -61,6 +61,24 @@ def _step(params, kv_caches, inp: ModelInput, cfg: ModelConfig, all_logits: bool
     return kv_caches, family.compute_logits(params, cfg, hidden)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _hidden(params, kv_caches, inp: ModelInput, cfg: ModelConfig):
+    return get_model_family(cfg.architecture).forward(params, cfg, inp, kv_caches)[1]  # [T, H]
+
+
+def padded_lengths(max_len: int) -> list[int]:
+    """Every token count `hidden_states` pads to for inputs of up to `max_len` tokens (for warm-up)."""
+    return sorted({_bucket(n) for n in [1, max_len] + [1 << i for i in range(max_len.bit_length())] if n <= max_len})
+
+
+def hidden_states(cfg: ModelConfig, params: dict, token_ids) -> np.ndarray:
+    """Final-normed hidden states `[len, H]` (f32) of one sequence, with its own scratch cache."""
+    ids = _check_ids(cfg, token_ids)
+    num_pages = _bucket(len(ids)) // PAGE_SIZE
+    hidden = _hidden(params, make_kv_caches(cfg, num_pages), _sequence_input(ids, 0, num_pages), cfg=cfg)
+    return np.asarray(hidden, np.float32)[: len(ids)]
+
+
 def _check_ids(cfg: ModelConfig, token_ids) -> list[int]:
     ids = [int(t) for t in token_ids]
     if not ids:

@@ -60,6 +60,7 @@ def run_server(args: argparse.Namespace) -> int:
     from jengine.cli import engine_kwargs
     from jengine.engine import LLMEngine
     from jengine.engine_config import EngineConfig
+    from jengine.entrypoints import pooling
     from jengine.entrypoints.api_server import build_app
     from jengine.metrics import EngineMetrics
     from jengine.tokenizer import load_tokenizer
@@ -70,12 +71,14 @@ def run_server(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     kwargs.update(token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
     engine = LLMEngine(EngineConfig(model=args.model, **kwargs), progress=sys.stderr.isatty())
+    embedding_programs = pooling.warmup(engine)  # /v1/embeddings must not compile while serving
     metrics = EngineMetrics(name)
     llm = AsyncLLM.from_engine(engine, stat_logger=metrics.record, on_abort=lambda _: metrics.record_aborted())
     app = build_app(llm, name, tokenizer=load_tokenizer(args.model), api_key=api_key, metrics=metrics)
-    logging.getLogger(__name__).info("serving %s as %r on http://%s:%d (%d buckets compiled in %.1fs)",
-                                     args.model, name, args.host, args.port, engine.num_compiled_buckets,
-                                     engine.startup_seconds)
+    logging.getLogger(__name__).info(
+        "serving %s as %r on http://%s:%d (%d buckets compiled in %.1fs, %d embedding lengths)",
+        args.model, name, args.host, args.port, engine.num_compiled_buckets, engine.startup_seconds,
+        embedding_programs)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_keep_alive=5)
     try:
