@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
-from jengine.runner import build_step_input
+from jengine.runner import build_step_input, pack
 from jengine.sampler import build_sampling_tensors
 from jengine.sampling_params import SamplingParams
 
@@ -42,6 +43,9 @@ def main() -> None:
                        progress=False)
     runner, cfg = engine.runner, engine.model_config
     family_forward = jax.jit(lambda p, c, mi: runner_forward(p, c, mi, cfg), donate_argnums=(1,))
+    tails = ("argmax", "logprobs top-20", "process_logits", "categorical", "sample")
+    fwd_tails = {name: jax.jit(functools.partial(forward_sample, cfg=cfg, tail=name), donate_argnums=(1,))
+                 for name in tails}
     for b in args.batch_sizes:
         pages = args.context // 16 + 1
         rng = np.random.default_rng(b)
@@ -76,6 +80,53 @@ def main() -> None:
         fwd_ms = _median_ms(fwd)
         print(f"B={b:3d}: sync step {step_ms:6.2f} ms | back-to-back {burst_ms:6.2f} ms/step, launch median "
               f"{1e3 * statistics.median(launches):6.2f} ms | forward only {fwd_ms:6.2f} ms")
+        # Which part of the program makes a launch wait for the previous step? Launch each variant 10
+        # times back to back with inputs already on the device and report the median launch time.
+        ints_np, floats_np, layout = pack(inp)
+        ints, floats = jax.device_put(ints_np), jax.device_put(floats_np)
+        inp_dev = jax.device_put(inp)
+        variants = {  # noqa: B023 below: each lambda runs within this iteration
+            "forward": lambda: family_forward(runner.params, runner.kv_caches, model_in),  # noqa: B023
+            **{f"forward+logits+{name}": (lambda fn=fn: fn(runner.params, runner.kv_caches, model_in,  # noqa: B023
+                                                           inp_dev))  # noqa: B023
+               for name, fn in fwd_tails.items()},
+            "full step, device inputs": lambda: runner._step(runner.params, runner.kv_caches, ints,  # noqa: B023
+                                                             floats, runner.no_prev_ids,  # noqa: B023
+                                                             layout=layout),  # noqa: B023
+        }
+        for name, launch in variants.items():
+            times = []
+            for _ in range(12):
+                t = time.perf_counter()
+                result = launch()
+                times.append(time.perf_counter() - t)
+                runner.kv_caches = result[0]
+            jax.block_until_ready(result)
+            print(f"    launch back to back, {name:26s}: median {1e3 * statistics.median(times[2:]):6.2f} ms")
+
+
+def _tail(name):
+    """The part of a step after the logits, by name (to find which part makes launches block)."""
+    import jax.numpy as jnp
+
+    from jengine import sampler
+
+    return {
+        "argmax": lambda logits, t: jnp.argmax(logits, -1),
+        "logprobs top-20": lambda logits, t: sampler.compute_logprobs(logits, jnp.argmax(logits, -1)),
+        "process_logits": lambda logits, t: sampler.process_logits(logits, t),
+        "categorical": lambda logits, t: jax.vmap(jax.random.categorical)(sampler._row_keys(t), logits),
+        "sample": lambda logits, t: sampler.sample(logits, t),
+    }[name]
+
+
+def forward_sample(params, caches, model_input, step_input, cfg, tail="sample"):
+    from jengine.models import get_model_family
+
+    family = get_model_family(cfg.architecture)
+    caches, hidden = family.forward(params, cfg, model_input, caches)
+    logits = family.compute_logits(params, cfg, hidden[step_input.logits_indices])
+    return caches, _tail(tail)(logits, step_input.sampling)
 
 
 def runner_forward(params, caches, model_input, cfg):
