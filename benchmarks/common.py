@@ -6,6 +6,7 @@ import argparse
 import json
 import platform
 import subprocess
+import time
 
 import jax
 import numpy as np
@@ -28,14 +29,19 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def make_llm(args):
+    """The engine under test, built from the common flags; prints start-up time and KV capacity."""
     from jengine import LLM
 
-    return LLM(args.model, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
                seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None,
                gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=args.enable_prefix_caching)
+    print(f"start-up {time.perf_counter() - t0:.1f}s ({llm.engine.num_compiled_buckets} buckets), "
+          f"KV cache {llm.engine.kv_cache_tokens} tokens")
+    return llm
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

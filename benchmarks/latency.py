@@ -26,11 +26,8 @@ def main() -> None:
     parser.add_argument("--num-iters", type=int, default=2)
     args = parser.parse_args()
 
-    t0 = time.perf_counter()
     llm = make_llm(args)
     engine = llm.engine
-    print(f"start-up {time.perf_counter() - t0:.1f}s ({engine.num_compiled_buckets} buckets), "
-          f"KV cache {engine.kv_cache_tokens} tokens")
     weight_bytes = streamed_weight_bytes(engine.runner.params)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rows = []

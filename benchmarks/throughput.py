@@ -22,11 +22,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     args = parser.parse_args()
 
-    t0 = time.perf_counter()
     llm = make_llm(args)
     engine = llm.engine
-    print(f"start-up {time.perf_counter() - t0:.1f}s ({engine.num_compiled_buckets} buckets), "
-          f"KV cache {engine.kv_cache_tokens} tokens")
     prompts = random_prompts(args.num_prompts, args.input_len, engine.model_config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
