@@ -23,7 +23,6 @@ from jengine.engine_config import EngineConfig
 from jengine.models import ModelInput, get_model_family
 from jengine.request import PLACEHOLDER
 from jengine.sampler import SamplingTensors, build_sampling_tensors, compute_logprobs, sample
-from jengine.sampling_params import MAX_LOGPROBS
 
 
 @jax.tree_util.register_dataclass
@@ -35,7 +34,7 @@ class StepInput:
     logits_indices: jax.Array  # [S] int32, index in T of each sequence's last scheduled token
     prev_token_index: jax.Array  # [T] int32, row of the previous step's output to take the token from; -1: known
     prompt_targets: jax.Array  # [T] int32, next prompt token whose logprob is wanted at each position; -1: none
-    sampling: SamplingTensors
+    sampling: SamplingTensors | None  # None in the part packed for the forward program
 
 
 class PromptLogprobs(NamedTuple):
@@ -47,31 +46,17 @@ class PromptLogprobs(NamedTuple):
 PROMPT_LOGPROBS_CHUNK = 256  # tokens whose [C, V] logits exist at once when prompt logprobs are asked for
 
 
-def _prompt_logprobs(params, cfg: ModelConfig, hidden, targets) -> PromptLogprobs:
-    """Logprobs of the next prompt token at every position, in chunks so [T, V] never exists whole.
+def _prompt_logprobs(params, hidden, targets, *, cfg: ModelConfig) -> PromptLogprobs:
+    """Logprobs of the next prompt token at every position `[T]`, in chunks so [T, V] never exists whole.
 
-    Behind a cond: a step where no request asks for prompt logprobs skips all of it.
+    Its own small program, launched only for steps where a request asks for prompt logprobs.
     """
     family = get_model_family(cfg.architecture)
-    num_tokens = hidden.shape[0]
-    chunk = min(num_tokens, PROMPT_LOGPROBS_CHUNK)
-    pad = -num_tokens % chunk
-    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[1])
-    tgt = jnp.pad(jnp.maximum(targets, 0), (0, pad)).reshape(-1, chunk)
-
-    def compute():
-        def one(args):
-            return compute_logprobs(family.compute_logits(params, cfg, args[0]), args[1])
-
-        lp, ids, top = jax.lax.map(one, (h, tgt))
-        return PromptLogprobs(lp.reshape(-1)[:num_tokens], ids.reshape(-1, MAX_LOGPROBS)[:num_tokens],
-                              top.reshape(-1, MAX_LOGPROBS)[:num_tokens])
-
-    def skip():
-        return PromptLogprobs(jnp.zeros(num_tokens, jnp.float32), jnp.zeros((num_tokens, MAX_LOGPROBS), jnp.int32),
-                              jnp.zeros((num_tokens, MAX_LOGPROBS), jnp.float32))
-
-    return jax.lax.cond(jnp.any(targets >= 0), compute, skip)
+    parts = []
+    for lo in range(0, hidden.shape[0], PROMPT_LOGPROBS_CHUNK):  # unrolled: no device-side loop
+        logits = family.compute_logits(params, cfg, hidden[lo : lo + PROMPT_LOGPROBS_CHUNK])
+        parts.append(compute_logprobs(logits, jnp.maximum(targets[lo : lo + PROMPT_LOGPROBS_CHUNK], 0)))
+    return PromptLogprobs(*(jnp.concatenate(xs) for xs in zip(*parts)))
 
 
 def pack(inp: StepInput) -> tuple[np.ndarray, np.ndarray, tuple]:
@@ -92,7 +77,8 @@ def pack(inp: StepInput) -> tuple[np.ndarray, np.ndarray, tuple]:
         else:
             ints.append(a.ravel().astype(np.int32))
         spec.append((a.shape, a.dtype.str))
-    return np.concatenate(ints), np.concatenate(floats), (treedef, tuple(spec))
+    as_buffer = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(1, dtype)  # noqa: E731
+    return as_buffer(ints, np.int32), as_buffer(floats, np.float32), (treedef, tuple(spec))
 
 
 def unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> StepInput:
@@ -113,12 +99,12 @@ def unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> StepInput:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _step(params, kv_caches, ints, floats, prev_ids, *, layout, cfg: ModelConfig, max_seqs: int):
-    """One iteration. Tokens the host did not know yet (sampled by the step still running when this
-    one was prepared) are taken from that step's output `prev_ids [max_seqs]` on the device.
+def _forward(params, kv_caches, ints, floats, prev_ids, *, layout, cfg: ModelConfig):
+    """The model over one ragged batch: new K/V into the pages, logits of each sequence's last token.
 
-    Returns the cache, (the sampler output `[S]`, prompt logprobs `[T]`) and the sampled ids padded
-    to `[max_seqs]`, which the next step reads as its `prev_ids`.
+    Tokens the host did not know yet (sampled by the step still running when this one was prepared)
+    are taken from that step's output `prev_ids [max_seqs]` on the device. Returns the cache, the
+    logits `[S, V]` f32 and the final hidden states `[T, H]` (read only for prompt logprobs).
     """
     inp = unpack(ints, floats, layout)
     known = inp.prev_token_index < 0
@@ -126,10 +112,15 @@ def _step(params, kv_caches, ints, floats, prev_ids, *, layout, cfg: ModelConfig
     model_input = dataclasses.replace(inp.model, token_ids=token_ids)
     family = get_model_family(cfg.architecture)
     kv_caches, hidden = family.forward(params, cfg, model_input, kv_caches)  # hidden [T, H]
-    logits = family.compute_logits(params, cfg, hidden[inp.logits_indices])  # [S, V]
-    out = sample(logits, inp.sampling)
-    next_ids = jnp.zeros((max_seqs,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
-    return kv_caches, (out, _prompt_logprobs(params, cfg, hidden, inp.prompt_targets)), next_ids
+    return kv_caches, family.compute_logits(params, cfg, hidden[inp.logits_indices]), hidden
+
+
+def _sample(logits, ints, floats, *, layout, filters: bool, max_seqs: int):
+    """Sampling as its own program per (S, filters): the host knows whether any row uses top-k/top-p,
+    so no data-dependent branch is needed. Also returns the ids padded to `[max_seqs]`, which the
+    next step reads as its `prev_ids`."""
+    out = sample(logits, unpack(ints, floats, layout), filters=filters)
+    return out, jnp.zeros((max_seqs,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
 
 
 def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_per_seq: int,
@@ -188,20 +179,34 @@ class ModelRunner:
         self.host_pool = kv_cache.HostPagePool(cfg, num_host_pages, ecfg.block_size, cfg.dtype)
         self.max_seqs = max(ecfg.seq_buckets)
         self.no_prev_ids = jnp.zeros((self.max_seqs,), jnp.int32)
-        self._step = jax.jit(functools.partial(_step, cfg=cfg, max_seqs=self.max_seqs), donate_argnums=(1,),
-                             static_argnames=("layout",))
+        self._forward = jax.jit(functools.partial(_forward, cfg=cfg), donate_argnums=(1,),
+                                static_argnames=("layout",))
+        self._sample = jax.jit(functools.partial(_sample, max_seqs=self.max_seqs),
+                               static_argnames=("layout", "filters"))
+        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg))
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (T, S) pair a step can be padded to: S sequences need at least S tokens."""
         return shape_pairs(self.ecfg.token_buckets, self.ecfg.seq_buckets)
 
-    def execute(self, inp: StepInput, prev_ids: jax.Array | None = None):
-        """Launch one step (asynchronously): (sampler output, prompt logprobs), and its ids `[max_seqs]`
-        for the next step. Results stay on the device until read."""
+    def execute(self, inp: StepInput, prev_ids: jax.Array | None = None, *, filters: bool | None = None,
+                prompt_logprobs: bool | None = None):
+        """Launch one step (asynchronously): ((sampler output, prompt logprobs or None), ids `[max_seqs]`
+        for the next step). Results stay on the device until read. `filters` / `prompt_logprobs`
+        default to what the input asks for."""
+        sampling = inp.sampling
+        if filters is None:
+            filters = bool(np.any((sampling.top_k < self.cfg.vocab_size) | (sampling.top_p < 1.0)))
+        if prompt_logprobs is None:
+            prompt_logprobs = bool(np.any(inp.prompt_targets >= 0))
         prev = self.no_prev_ids if prev_ids is None else prev_ids
-        ints, floats, layout = pack(inp)
-        self.kv_caches, out, next_ids = self._step(self.params, self.kv_caches, ints, floats, prev, layout=layout)
-        return out, next_ids
+        ints, floats, layout = pack(dataclasses.replace(inp, sampling=None))
+        self.kv_caches, logits, hidden = self._forward(self.params, self.kv_caches, ints, floats, prev,
+                                                       layout=layout)
+        s_ints, s_floats, s_layout = pack(sampling)
+        out, next_ids = self._sample(logits, s_ints, s_floats, layout=s_layout, filters=filters)
+        plp = self._prompt_logprobs(self.params, hidden, inp.prompt_targets) if prompt_logprobs else None
+        return (out, plp), next_ids
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
         """A padding-only StepInput of the given bucket (writes nothing, reads nothing)."""
@@ -209,10 +214,13 @@ class ModelRunner:
         return build_step_input([], num_tokens, num_seqs, self.ecfg.pages_per_seq, self.ecfg.block_size, sampling)
 
     def warmup(self, progress: bool = True) -> int:
-        """Compile every bucket (and the page-move functions) before serving; returns the count."""
+        """Compile every program before serving: the forward per (T, S) bucket, sampling per S with and
+        without filters, prompt logprobs per T, and the page moves. Returns the number of buckets."""
         buckets = self.buckets()
         for t, s in tqdm(buckets, desc="Compiling buckets", disable=not progress):
-            jax.block_until_ready(self.execute(self.dummy_input(t, s)))  # compiles (T, S)
+            inp = self.dummy_input(t, s)
+            for filters, plp in ((False, True), (True, False)):
+                jax.block_until_ready(self.execute(inp, filters=filters, prompt_logprobs=plp))
         self.kv_caches = kv_cache.copy_pages(self.kv_caches, [(0, 0)])
         if self.host_pool.pages is not None:
             self.host_pool.swap_out(self.kv_caches, [(0, 0)])

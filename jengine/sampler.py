@@ -38,8 +38,6 @@ from jengine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, Sampli
 DEFAULT_PENALTY_WINDOW = 1024
 # logit_bias entries plus min_tokens-suppressed stop ids per row.
 DEFAULT_MAX_BIAS_ENTRIES = MAX_LOGIT_BIAS_ENTRIES + 32
-# Candidates kept by the cheap top-k/top-p path (`lax.top_k`); rows needing more take a full sort.
-DEFAULT_TOP_K_CAP = 128
 
 _U32 = 0xFFFFFFFF
 
@@ -224,66 +222,49 @@ def _apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(ratio < min_p[:, None], -jnp.inf, logits)
 
 
-def _top_k_top_p_threshold(
-    logits: jax.Array, sorted_desc: jax.Array, top_k: jax.Array, top_p: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Per-row logit threshold of top-k then top-p, from the K largest logits `sorted_desc` [S, K].
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys that sort like the f32 values `x` (flip negatives, set the sign bit of positives)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(0x80000000))
 
-    Returns (threshold [S], exact [S]): `exact` is False where K candidates cannot decide the row
-    (k > K, or the top-p nucleus extends past the K-th candidate). vLLM applies top-k first and
-    top-p on the renormalised survivors; a token is kept by top-p if the probability mass strictly
-    above it (descending order) is < p, which always keeps the top token.
-    Ties: every token equal to the threshold is kept (vLLM keeps ties for top-k, breaks them by sort
-    order for top-p).
+
+def _largest_key(pred) -> jax.Array:
+    """Radix select: the largest key tau [S] with pred(tau) true, for pred monotone (true at 0).
+
+    32 masked reductions over [S, V], unrolled: exact, and no data-dependent control flow (a
+    `lax.cond` on a GPU reads its predicate on the host, which makes launching the step wait for
+    the previous one; see benchmarks/RESULTS.md).
     """
-    S, K = sorted_desc.shape
-    V = logits.shape[1]
-    needs_k = top_k < V
-    needs_p = top_p < 1.0
-    kth = jnp.take_along_axis(sorted_desc, jnp.clip(top_k - 1, 0, K - 1)[:, None], axis=1)[:, 0]
-    thr_k = jnp.where(needs_k, kth, -jnp.inf)  # [S]
-    # Normaliser over all top-k survivors in V (not just the K candidates), so the mass is exact.
-    norm = jax.nn.logsumexp(jnp.where(logits >= thr_k[:, None], logits, -jnp.inf), axis=-1)  # [S]
-    cand = jnp.where(sorted_desc >= thr_k[:, None], sorted_desc, -jnp.inf)  # [S, K]
-    probs = jnp.exp(cand - norm[:, None])
-    cum = jnp.cumsum(probs, axis=-1)  # [S, K] inclusive
-    keep = (cum - probs) < top_p[:, None]
-    last = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)
-    thr_p = jnp.where(needs_p, jnp.take_along_axis(cand, last[:, None], axis=1)[:, 0], -jnp.inf)
-    exact = (K >= V) | ((~needs_k | (top_k <= K)) & (~needs_p | (cum[:, -1] >= top_p)))
-    return jnp.maximum(thr_k, thr_p), exact
+    tau = None
+    for bit in range(31, -1, -1):
+        cand = jnp.uint32(1 << bit) if tau is None else tau | jnp.uint32(1 << bit)
+        ok = pred(cand)
+        tau = jnp.where(ok, cand, jnp.uint32(0) if tau is None else tau)
+    return tau
 
 
-def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, cap: int) -> jax.Array:
-    """Mask tokens below the top-k/top-p threshold without sorting V in the common case.
+def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Mask tokens outside each row's top-k, then outside the top-p nucleus of the survivors.
 
-    Cheap path: `lax.top_k(logits, cap)` candidates. Rows the cap cannot decide (top_k > cap, or a
-    nucleus wider than cap tokens, e.g. top_p near 1 over a flat distribution) make the whole batch
-    take a full sort of V inside `lax.cond`, and only those rows use its result, so each row's output
-    depends on its own data alone. Batches with no top-k/top-p row skip both.
+    Exact for every k and p without sorting V: top-k keeps values >= the k-th largest; top-p keeps a
+    token if the probability mass strictly above it is < p (so the top token always stays), i.e.
+    values >= the largest threshold whose mass at or above it reaches p. Ties at a threshold are all
+    kept (vLLM breaks top-p ties by sort order). Rows with the filters off keep everything.
     """
-    S, V = logits.shape
-    cap = min(cap, V)
-
-    def filtered() -> jax.Array:
-        cand, _ = jax.lax.top_k(logits, cap)  # [S, cap]
-        thr, exact = _top_k_top_p_threshold(logits, cand, top_k, top_p)
-        if cap < V:
-
-            def full_sort() -> jax.Array:
-                thr_full, _ = _top_k_top_p_threshold(logits, jnp.sort(logits, axis=-1, descending=True),
-                                                     top_k, top_p)
-                return jnp.where(exact, thr, thr_full)
-
-            thr = jax.lax.cond(jnp.all(exact), lambda: thr, full_sort)
-        return jnp.where(logits < thr[:, None], -jnp.inf, logits)
-
-    active = jnp.any((top_k < V) | (top_p < 1.0))
-    return jax.lax.cond(active, filtered, lambda: logits)
+    keys = _ordered_keys(logits)  # [S, V]
+    tau_k = _largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= top_k)
+    survivors = jnp.where(keys >= tau_k[:, None], logits, -jnp.inf)
+    mass = jax.nn.softmax(survivors, axis=-1)  # [S, V], 0 outside the top-k
+    tau_p = _largest_key(lambda c: jnp.sum(jnp.where(keys >= c[..., None], mass, 0.0), axis=-1) >= top_p)
+    tau_p = jnp.where(top_p < 1.0, tau_p, jnp.uint32(0))
+    return jnp.where(keys >= jnp.maximum(tau_k, tau_p)[:, None], survivors, -jnp.inf)
 
 
-def process_logits(logits: jax.Array, t: SamplingTensors, *, top_k_cap: int = DEFAULT_TOP_K_CAP) -> jax.Array:
+def process_logits(logits: jax.Array, t: SamplingTensors, *, filters: bool = True) -> jax.Array:
     """logits [S, V] -> the distribution each row samples from [S, V] (masked tokens are -inf).
+
+    `filters=False` skips top-k/top-p (the caller knows no row uses them; a static choice, so the
+    program has no data-dependent branch).
 
     For greedy rows (temperature 1, filters off) this is the biased, penalised logits, whose argmax is
     the greedy token; filters always keep the max token, so argmax of the result is that token anyway.
@@ -293,7 +274,7 @@ def process_logits(logits: jax.Array, t: SamplingTensors, *, top_k_cap: int = DE
     logits = _apply_penalties(logits, t)
     logits = logits / jnp.where(t.greedy, 1.0, t.temperature)[:, None]
     logits = _apply_min_p(logits, t.min_p)
-    return _apply_top_k_top_p(logits, t.top_k, t.top_p, top_k_cap)
+    return _apply_top_k_top_p(logits, t.top_k, t.top_p) if filters else logits
 
 
 def _row_keys(t: SamplingTensors) -> jax.Array:
@@ -327,15 +308,16 @@ def sample(
     logits: jax.Array,
     t: SamplingTensors,
     *,
-    top_k_cap: int = DEFAULT_TOP_K_CAP,
+    filters: bool = True,
     logprobs_mode: str = "raw_logprobs",
 ) -> SamplerOutput:
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
-    arguments static; the tensors' values never cause a recompilation."""
+    arguments static; the tensors' values never cause a recompilation. `filters=False` is for batches
+    where no row uses top-k/top-p (it skips their 64 masked reductions over [S, V])."""
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
     assert logits.shape[0] == t.temperature.shape[0], (logits.shape, t.temperature.shape)
-    processed = process_logits(logits, t, top_k_cap=top_k_cap)  # [S, V]
+    processed = process_logits(logits, t, filters=filters)  # [S, V]
     greedy_ids = jnp.argmax(processed, axis=-1)  # [S]
     drawn = jax.vmap(jax.random.categorical)(_row_keys(t), processed)  # [S]
     next_ids = jnp.where(t.greedy, greedy_ids, drawn).astype(jnp.int32)

@@ -12,8 +12,8 @@ from jengine.sampling_params import SamplingParams as P
 
 V = 16
 
-_sample = jax.jit(sample, static_argnames=("top_k_cap", "logprobs_mode"))
-_process = jax.jit(process_logits, static_argnames=("top_k_cap",))
+_sample = jax.jit(sample, static_argnames=("filters", "logprobs_mode"))
+_process = jax.jit(process_logits, static_argnames=("filters",))
 
 
 def tensors(rows, S=None, **kw):
@@ -72,28 +72,27 @@ PROBS = [0.5, 0.25, 0.15, 0.1]
 )
 def test_filter_masks_exact_on_small_logits(params, expected):
     logits = np.stack([row_logits(PROBS)] * 2)
-    out = _process(logits, tensors([P(**params), P()]), top_k_cap=4)
+    out = _process(logits, tensors([P(**params), P()]))
     assert kept(out[0]) == expected
     assert kept(out[1]) == set(range(V))  # the other row is untouched
 
 
-@pytest.mark.parametrize("cap", [4, V])
-def test_filters_match_reference_including_rows_past_the_cap(cap):
+def test_filters_match_reference_including_wide_nuclei_and_large_k():
     rng = np.random.RandomState(0)
     logits = (rng.randn(6, V) * np.array([[0.1], [3], [1], [1], [0.3], [2]])).astype(np.float32)
     params = [
-        dict(top_p=0.95),  # near-flat row: nucleus wider than cap -> full-sort path
-        dict(top_k=10),  # k > cap
+        dict(top_p=0.95),  # near-flat row: a wide nucleus
+        dict(top_k=10),  # a large k
         dict(top_k=3, top_p=0.7),
         dict(min_p=0.1, top_p=0.9, temperature=0.7),
         dict(top_k=12, top_p=0.99, temperature=1.5),
         dict(),
     ]
-    out = np.asarray(_process(logits, tensors([P(**p) for p in params]), top_k_cap=cap))
+    out = np.asarray(_process(logits, tensors([P(**p) for p in params])))
     for i, p in enumerate(params):
         assert kept(out[i]) == ref_filter(logits[i], **p), p
         # a row's result is the same alone (no other row forcing or skipping the full sort)
-        alone = _process(logits[i : i + 1], tensors([P(**p)]), top_k_cap=cap)
+        alone = _process(logits[i : i + 1], tensors([P(**p)]))
         np.testing.assert_array_equal(np.asarray(alone)[0], out[i])
 
 
@@ -101,7 +100,7 @@ def test_penalties_exact():
     logits = np.array([[2.0, -1.0, 3.0, -2.0, 0.5] + [0.0] * (V - 5)], np.float32)
     p = P(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, temperature=0)
     # prompt has tokens 0 and 1, output has 2 twice and 3 once; token 4 unseen
-    out = np.asarray(_process(logits, tensors([SamplingRow(p, [0, 1], [2, 3, 2])]), top_k_cap=4))[0]
+    out = np.asarray(_process(logits, tensors([SamplingRow(p, [0, 1], [2, 3, 2])])))[0]
     expected = logits[0].copy()
     expected[0] = 2.0 / 2  # prompt only: repetition (positive -> divide)
     expected[1] = -1.0 * 2  # prompt only: repetition (negative -> multiply)
@@ -120,10 +119,10 @@ def test_penalty_window_keeps_output_tokens_first():
 def test_logit_bias_and_greedy_argmax():
     logits = np.stack([row_logits(PROBS)] * 2)
     t = tensors([P(temperature=0, logit_bias={3: 5.0, 0: -100}), P(temperature=0)])
-    out = np.asarray(_process(logits, t, top_k_cap=4))
+    out = np.asarray(_process(logits, t))
     np.testing.assert_allclose(out[0, [0, 3]], logits[0, [0, 3]] + [-100, 5.0], atol=1e-6)
     np.testing.assert_array_equal(out[0, 1:3], logits[0, 1:3])
-    ids = np.asarray(_sample(logits, t, top_k_cap=4).next_ids)
+    ids = np.asarray(_sample(logits, t).next_ids)
     assert ids.tolist() == [3, 0]
 
 
@@ -135,7 +134,7 @@ def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():
         SamplingRow(P(temperature=0, min_tokens=2), [], [5, 5]),  # reached
         SamplingRow(P(temperature=0, min_tokens=2, ignore_eos=True), [], []),  # eos allowed
     ]
-    out = np.asarray(_process(logits, tensors(rows, eos_token_ids=eos), top_k_cap=4))
+    out = np.asarray(_process(logits, tensors(rows, eos_token_ids=eos)))
     assert np.isneginf(out[0, [1, 2]]).all() and np.isfinite(out[0, 0])
     assert np.asarray(_sample(logits, tensors(rows, eos_token_ids=eos)).next_ids).tolist() == [0, 2, 2]
 
@@ -157,7 +156,7 @@ def test_seeded_request_is_independent_of_batch_composition_and_position():
             rows.insert(position, SamplingRow(seeded, [1], [0] * step))
             logits = np.concatenate([base[None], rng.randn(7, V).astype(np.float32)])
             logits[[0, position]] = logits[[position, 0]]
-            ids.append(int(_sample(logits, tensors(rows, S=8), top_k_cap=4).next_ids[position]))
+            ids.append(int(_sample(logits, tensors(rows, S=8)).next_ids[position]))
         return ids
 
     a = run(0, [])
@@ -180,7 +179,7 @@ def test_sampled_frequencies_match_softmax(temperature):
     probs = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
     logits = np.tile(row_logits(probs), (n, 1))
     rows = [SamplingRow(P(temperature=temperature), [], [], c) for c in range(n)]
-    ids = np.asarray(_sample(logits, tensors(rows), top_k_cap=4).next_ids)
+    ids = np.asarray(_sample(logits, tensors(rows)).next_ids)
     freq = np.bincount(ids, minlength=V)[: len(probs)] / n
     target = probs ** (1 / temperature) / np.sum(probs ** (1 / temperature))
     np.testing.assert_allclose(freq, target, atol=0.03)  # ~4 sigma at n=4000
@@ -192,9 +191,9 @@ def test_padding_rows_are_inert_even_with_nan_logits():
     real = [P(seed=3, top_p=0.9), P(top_k=2, repetition_penalty=1.3)]
     rows = [SamplingRow(p, [1, 2], [3], 9 + i) for i, p in enumerate(real)]
     logits = rng.randn(2, V).astype(np.float32)
-    want = _sample(logits, tensors(rows), top_k_cap=4)
+    want = _sample(logits, tensors(rows))
     padded = np.concatenate([logits, np.full((2, V), np.nan, np.float32)])
-    got = _sample(padded, tensors(rows, S=4), top_k_cap=4)
+    got = _sample(padded, tensors(rows, S=4))
     for w, g in zip(want, got):
         np.testing.assert_array_equal(np.asarray(g)[:2], np.asarray(w))
 
@@ -202,19 +201,19 @@ def test_padding_rows_are_inert_even_with_nan_logits():
 def test_logprobs_are_raw_by_default_and_processed_on_request():
     logits = np.stack([row_logits(PROBS)] * 2)
     t = tensors([P(temperature=0.5, top_k=2, seed=0), P(temperature=0)])
-    raw = _sample(logits, t, top_k_cap=4)
+    raw = _sample(logits, t)
     lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     ids = np.asarray(raw.next_ids)
     np.testing.assert_allclose(np.asarray(raw.sampled_logprobs), lp[[0, 1], ids], atol=1e-6)
     assert np.asarray(raw.topk_ids)[0, :4].tolist() == [0, 1, 2, 3]
     assert raw.topk_ids.shape == raw.topk_logprobs.shape == (2, 20)
-    proc = _sample(logits, t, top_k_cap=4, logprobs_mode="processed_logprobs")
+    proc = _sample(logits, t, logprobs_mode="processed_logprobs")
     assert np.isneginf(np.asarray(proc.topk_logprobs)[0, 2])  # top-k=2 removed the third token
     np.testing.assert_allclose(np.exp(np.asarray(proc.topk_logprobs)[0, :2]), [0.8, 0.2], atol=1e-5)
 
 
 def test_one_compilation_serves_every_option_mix():
-    fn = jax.jit(functools.partial(sample, top_k_cap=4))
+    fn = jax.jit(functools.partial(sample))
     rng = np.random.RandomState(3)
     mixes = [
         [P(), P(), P()],
