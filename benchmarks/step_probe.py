@@ -34,16 +34,29 @@ def main() -> None:
     parser.add_argument("--model", default="jengine/llama-3.1-8b")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--launch-variants", action="store_true",
+                        help="also time back-to-back launches of parts of the step program")
+    parser.add_argument("--num-tokens", type=int, default=64, help="token bucket T the steps are padded to")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--ablate", choices=("none", "attention", "write_kv", "both"), default="none",
+                        help="replace the attention op and/or the K/V write by no-ops, to price them")
     args = parser.parse_args()
+    if args.ablate != "none":
+        from jengine.models import llama
+
+        if args.ablate in ("attention", "both"):
+            llama.ragged_paged_attention = lambda q, *a, **k: q
+        if args.ablate in ("write_kv", "both"):
+            llama.write_kv = lambda cache, k, v, slots: cache
     seqs = tuple(sorted(set(args.batch_sizes)))
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=1024, max_num_seqs=max(seqs),
-                                    max_num_batched_tokens=max(64, max(seqs)), token_buckets=(max(64, max(seqs)),),
+                                    max_num_batched_tokens=max(args.num_tokens, max(seqs)),
+                                    token_buckets=(max(args.num_tokens, max(seqs)),),
                                     seq_buckets=seqs, gpu_memory_utilization=args.gpu_memory_utilization),
                        progress=False)
     runner, cfg = engine.runner, engine.model_config
     family_forward = jax.jit(lambda p, c, mi: runner_forward(p, c, mi, cfg), donate_argnums=(1,))
-    tails = ("argmax", "logprobs top-20", "process_logits", "categorical", "sample")
+    tails = ("argmax", "logprobs top-20", "process_logits", "categorical", "sample") if args.launch_variants else ()
     fwd_tails = {name: jax.jit(functools.partial(forward_sample, cfg=cfg, tail=name), donate_argnums=(1,))
                  for name in tails}
     for b in args.batch_sizes:
@@ -52,7 +65,7 @@ def main() -> None:
         rows = [([int(rng.integers(1000))], args.context, list(range(1 + i * pages, 1 + (i + 1) * pages)), -1, None)
                 for i in range(b)]
         sampling = build_sampling_tensors([(SamplingParams(temperature=0), [1], [])] * b, b, cfg.vocab_size)
-        inp = build_step_input(rows, max(64, max(seqs)), b, engine.config.pages_per_seq, 16, sampling)
+        inp = build_step_input(rows, max(args.num_tokens, max(seqs)), b, engine.config.pages_per_seq, 16, sampling)
 
         def sync_step(inp=inp):
             jax.block_until_ready(runner.execute(inp))
@@ -78,8 +91,11 @@ def main() -> None:
 
         fwd()
         fwd_ms = _median_ms(fwd)
-        print(f"B={b:3d}: sync step {step_ms:6.2f} ms | back-to-back {burst_ms:6.2f} ms/step, launch median "
+        print(f"[ablate={args.ablate}] B={b:3d}: sync step {step_ms:6.2f} ms | "
+              f"back-to-back {burst_ms:6.2f} ms/step, launch median "
               f"{1e3 * statistics.median(launches):6.2f} ms | forward only {fwd_ms:6.2f} ms")
+        if not args.launch_variants:
+            continue
         # Which part of the program makes a launch wait for the previous step? Launch each variant 10
         # times back to back with inputs already on the device and report the median launch time.
         inp_dev = jax.device_put(inp)
