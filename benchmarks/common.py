@@ -67,3 +67,157 @@ def write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+# ---------------------------------------------------------------- shared by the newer programs
+
+H200_BF16_FLOPS = 790e12  # FLOP/s, measured dense bf16 matmul ceiling (shared/BENCHMARKS.md)
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+# ShareGPT-like lengths: lognormal input / output token counts (medians near the ShareGPT-V3 figures
+# vLLM's scripts sample: prompts ~ 250 tokens with a long tail, replies ~ 200 tokens), seeded and fixed.
+CHAT_INPUT_MEDIAN, CHAT_INPUT_SIGMA = 256, 1.0
+CHAT_OUTPUT_MEDIAN, CHAT_OUTPUT_SIGMA = 192, 0.8
+CHAT_MIN_LEN, CHAT_MAX_OUTPUT = 4, 1024
+
+
+def engine_args(args, **overrides) -> dict:
+    """LLM keyword arguments from the common flags, `overrides` winning (None values dropped)."""
+    kw = dict(dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
+              seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None,
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching)
+    kw.update(overrides)
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def build_llm(args, label: str = "", **overrides):
+    """Like make_llm, with per-run overrides (prefix caching on/off, chunked prefill on/off, cache dir)."""
+    from jengine import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, use_tqdm_on_load=False, **engine_args(args, **overrides))
+    print(f"{label}start-up {time.perf_counter() - t0:.1f}s ({llm.engine.num_compiled_buckets} buckets), "
+          f"KV cache {llm.engine.kv_cache_tokens} tokens")
+    return llm
+
+
+def release(llm) -> None:
+    """Drop an engine so the next one gets the device memory (two engines never fit side by side)."""
+    import gc
+
+    del llm.engine
+    gc.collect()
+
+
+def chat_like_lengths(n: int, max_model_len: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(input, output) token counts drawn from the fixed ShareGPT-like distribution, fitting max_model_len."""
+    rng = np.random.default_rng(seed)
+    out = np.exp(rng.normal(np.log(CHAT_OUTPUT_MEDIAN), CHAT_OUTPUT_SIGMA, n))
+    inp = np.exp(rng.normal(np.log(CHAT_INPUT_MEDIAN), CHAT_INPUT_SIGMA, n))
+    out = np.clip(out.astype(int), CHAT_MIN_LEN, min(CHAT_MAX_OUTPUT, max_model_len // 2))
+    inp = np.clip(inp.astype(int), CHAT_MIN_LEN, max_model_len - out)
+    return list(zip(inp.tolist(), out.tolist()))
+
+
+def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts: int, input_len: int, output_len: int) -> None:
+    parser.add_argument("--dataset", default="random", choices=("random", "chat-like"),
+                        help="random: fixed lengths; chat-like: seeded ShareGPT-like lognormal lengths")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--input-len", type=int, default=input_len, help="random dataset only")
+    parser.add_argument("--output-len", type=int, default=output_len, help="random dataset only")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def make_requests(args, vocab: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) per request for --dataset."""
+    if args.dataset == "chat-like":
+        lengths = chat_like_lengths(args.num_prompts, args.max_model_len, args.seed)
+    else:
+        lengths = [(args.input_len, args.output_len)] * args.num_prompts
+    rng = np.random.default_rng(args.seed + 1)
+    return [(rng.integers(100, vocab - 100, size=i).tolist(), o) for i, o in lengths]
+
+
+def model_shape(model: str) -> dict:
+    """The reference shape numbers of a model directory or preset, read from its config.json."""
+    import os
+
+    from jengine.presets import resolve_model
+
+    with open(os.path.join(resolve_model(model)[0], "config.json")) as f:
+        cfg = json.load(f)
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or hidden // hq
+    per_layer = hidden * d * (2 * hq + 2 * hkv) + 3 * hidden * cfg["intermediate_size"] + 2 * hidden
+    return {"config": cfg, "layers": layers, "hq": hq, "hkv": hkv, "head_dim": d, "vocab": cfg["vocab_size"],
+            "layer_params": layers * per_layer + hidden, "head_params": cfg["vocab_size"] * hidden}
+
+
+def roofline(model: str, lengths: list[tuple[int, int]], max_num_seqs: int, dtype_bytes: int = 2,
+             flops: float = H200_BF16_FLOPS, bandwidth: float = H200_COPY_BW) -> dict:
+    """Lower bound on a workload's time: prefill at `flops`, decode streaming weights + KV at `bandwidth`.
+
+    Prefill: 2 FLOPs per weight per prompt token (lm head once per request) + causal attention (QK and PV).
+    Decode: each step streams all non-embedding weights once; steps >= output tokens / max_num_seqs; each
+    decode token reads its whole context's K and V.
+    """
+    s = model_shape(model)
+    attn = 4 * s["layers"] * s["hq"] * s["head_dim"]  # FLOPs per visible query-key pair
+    kv_per_token = 2 * s["layers"] * s["hkv"] * s["head_dim"] * dtype_bytes
+    prompt = sum(i for i, _ in lengths)
+    out = sum(o for _, o in lengths)
+    prefill_flops = (2 * s["layer_params"] * prompt + 2 * s["head_params"] * len(lengths)
+                     + attn * sum(i * (i + 1) / 2 for i, _ in lengths))
+    steps = max(max(o for _, o in lengths), -(-out // max(1, min(max_num_seqs, len(lengths)))))
+    weight_bytes = (s["layer_params"] + s["head_params"]) * dtype_bytes
+    kv_bytes = kv_per_token * sum(o * i + o * (o - 1) / 2 for i, o in lengths)
+    t_prefill, t_decode = prefill_flops / flops, (steps * weight_bytes + kv_bytes) / bandwidth
+    return {"prefill_tflop": prefill_flops / 1e12, "decode_steps": steps,
+            "decode_weight_gb": steps * weight_bytes / 1e9,
+            "decode_kv_gb": kv_bytes / 1e9, "bound_s": t_prefill + t_decode, "prefill_bound_s": t_prefill,
+            "decode_bound_s": t_decode, "peak_tflops": flops / 1e12, "peak_tb_s": bandwidth / 1e12,
+            "bound_output_tok_s": out / (t_prefill + t_decode)}
+
+
+def percentiles(values, name: str, unit_scale: float = 1e3) -> dict:
+    """mean / p50 / p99 (/ max) of `values` (seconds) in ms, keyed `<name>_mean_ms` etc."""
+    v = np.asarray(values, dtype=float) * unit_scale
+    if v.size == 0:
+        return {f"{name}_{k}_ms": None for k in ("mean", "p50", "p99", "max")}
+    return {f"{name}_mean_ms": float(v.mean()), f"{name}_p50_ms": float(np.percentile(v, 50)),
+            f"{name}_p99_ms": float(np.percentile(v, 99)), f"{name}_max_ms": float(v.max())}
+
+
+def print_table(rows: list[dict], columns: list[str], fmt: str = "{:.2f}") -> None:
+    """A fixed-width table of the given columns (missing -> '-')."""
+    def cell(v):
+        if v is None:
+            return "-"
+        return fmt.format(v) if isinstance(v, float) else str(v)
+
+    cells = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(x.rjust(w) for x, w in zip(row, widths)))
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active (the event tests/test_no_recompile.py listens to)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def _listener(self, event, duration, **kwargs):
+        if event == COMPILE_EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listener)

@@ -1,9 +1,11 @@
-"""Decode latency at batch 1 / 8 / 64 (vLLM's benchmark_latency, jengine's LLM API).
+"""Decode latency at batch 1 / 8 / 64 (vLLM's benchmark_latency), jengine and/or transformers.
 
-    python benchmarks/latency.py --batch-sizes 1 8 64 --input-len 128 --output-len 256
+    python benchmarks/latency.py --batch-sizes 1 8 64 --input-len 128 --output-len 256 --backend both
 
-Outputs are forced to full length (ignore_eos). Prints per batch size: end-to-end seconds, ms per
-decode step, output tok/s, and the decode step time against the weight-streaming bound.
+Outputs are forced to full length (ignore_eos). Prints per backend and batch size: end-to-end seconds,
+ms per decode step, output tok/s, and the decode step time against the weight-streaming bound. For
+transformers (`generate`, sdpa) the step time is end-to-end / output length (prefill included, as the
+BENCHMARKS.md anchor is quoted).
 """
 
 from __future__ import annotations
@@ -11,20 +13,21 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import H200_COPY_BW, add_engine_flags, environment, make_llm, random_prompts, streamed_weight_bytes
+from common import (
+    H200_COPY_BW,
+    add_engine_flags,
+    environment,
+    make_llm,
+    model_shape,
+    print_table,
+    random_prompts,
+    streamed_weight_bytes,
+)
 from common import write_json as save
 
-from jengine import SamplingParams
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_flags(parser)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--num-iters", type=int, default=2)
-    args = parser.parse_args()
+def run_jengine(args) -> list[dict]:
+    from jengine import SamplingParams
 
     llm = make_llm(args)
     engine = llm.engine
@@ -44,22 +47,67 @@ def main() -> None:
             e2e = time.perf_counter() - start
             first = max(o.metrics.first_token_time for o in outs)
             last = max(o.metrics.finished_time for o in outs)
-            runs.append((e2e, (last - first) / (args.output_len - 1)))
+            runs.append((e2e, (last - first) / max(1, args.output_len - 1)))
         e2e, step = sorted(runs)[len(runs) // 2]
         num_steps = engine.stats["steps"] - steps0
         phases = {k: 1e3 * v / num_steps for k, v in engine.timings.items()}
-        bound = weight_bytes / H200_COPY_BW
-        rows.append({"batch": batch, "e2e_s": e2e, "ms_per_step": step * 1e3,
+        rows.append({"backend": "jengine", "batch": batch, "e2e_s": e2e, "ms_per_step": step * 1e3,
                      "out_tok_s": batch * args.output_len / e2e, "decode_tok_s": batch / step,
-                     "bound_ms_per_step": bound * 1e3, "fraction_of_bound": bound / step,
-                     "host_ms_per_step": phases})
-        r = rows[-1]
-        print(f"batch {batch:4d}: e2e {e2e:7.2f}s  step {r['ms_per_step']:7.2f} ms  "
-              f"decode {r['decode_tok_s']:9.1f} tok/s  out {r['out_tok_s']:9.1f} tok/s  "
-              f"weight-stream bound {r['bound_ms_per_step']:.2f} ms "
-              f"({100 * r['fraction_of_bound']:.0f}% of it)")
-        print("    ms per step by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-    save(args.output_json, {"env": environment(), "args": vars(args), "results": rows})
+                     "weight_bytes": weight_bytes, "host_ms_per_step": phases})
+        print("    jengine ms per step by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+    return rows
+
+
+def run_hf(args) -> list[dict]:
+    import hf_backend
+
+    model = hf_backend.load(args.model, args.dtype, attn="sdpa")
+    shape = model_shape(args.model)
+    weight_bytes = (shape["layer_params"] + shape["head_params"]) * (4 if "32" in args.dtype else 2)
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = random_prompts(batch, args.input_len, shape["vocab"], seed=batch)
+        hf_backend.generate_static(model, prompts, 4, batch)  # warm-up
+        runs = sorted(hf_backend.generate_static(model, prompts, args.output_len, batch)[0]
+                      for _ in range(args.num_iters))
+        e2e = runs[len(runs) // 2]
+        step = e2e / args.output_len
+        rows.append({"backend": "hf", "batch": batch, "e2e_s": e2e, "ms_per_step": step * 1e3,
+                     "out_tok_s": batch * args.output_len / e2e, "decode_tok_s": batch / step,
+                     "weight_bytes": weight_bytes})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_flags(parser)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--num-iters", type=int, default=2)
+    parser.add_argument("--backend", default="jengine", choices=("jengine", "hf", "both"))
+    parser.add_argument("--peak-tb-s", type=float, default=H200_COPY_BW / 1e12, help="bandwidth of the bound")
+    args = parser.parse_args(argv)
+
+    rows = []
+    if args.backend in ("jengine", "both"):
+        rows += run_jengine(args)
+    if args.backend in ("hf", "both"):
+        rows += run_hf(args)
+    for r in rows:
+        bound = r["weight_bytes"] / (args.peak_tb_s * 1e12)
+        r.update(bound_ms_per_step=bound * 1e3, fraction_of_bound=bound / (r["ms_per_step"] / 1e3))
+    print_table(rows, ["backend", "batch", "e2e_s", "ms_per_step", "decode_tok_s", "out_tok_s",
+                       "bound_ms_per_step", "fraction_of_bound"])
+    ratios = {}
+    for r in rows:
+        other = next((h for h in rows if h["backend"] == "hf" and h["batch"] == r["batch"]), None)
+        if r["backend"] == "jengine" and other is not None:
+            ratios[str(r["batch"])] = r["out_tok_s"] / other["out_tok_s"]
+            print(f"batch {r['batch']}: jengine / hf = {ratios[str(r['batch'])]:.2f}x output tok/s")
+    payload = {"env": environment(), "args": vars(args), "results": rows, "ratios": ratios}
+    save(args.output_json, payload)
+    return payload
 
 
 if __name__ == "__main__":

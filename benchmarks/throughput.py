@@ -1,6 +1,12 @@
-"""Offline throughput: N random prompts submitted at once (vLLM's benchmark_throughput, jengine backend).
+"""Offline throughput: N prompts submitted at once (vLLM's benchmark_throughput), jengine and/or transformers.
 
-    python benchmarks/throughput.py --num-prompts 256 --input-len 512 --output-len 256
+    python benchmarks/throughput.py --num-prompts 256 --input-len 512 --output-len 256 --backend both
+    python benchmarks/throughput.py --dataset chat-like --num-prompts 1000 --max-model-len 4096
+
+Prints req/s, total and output tok/s per backend, the ratio jengine / hf when both run, and the
+workload's roofline bound (prefill FLOPs at --peak-tflops, decode weight + KV bytes at --peak-tb-s)
+with the fraction of it achieved. `--dataset chat-like` draws seeded ShareGPT-like lognormal lengths
+(see common.chat_like_lengths for the parameters).
 """
 
 from __future__ import annotations
@@ -8,39 +14,103 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import add_engine_flags, environment, make_llm, random_prompts, write_json
+from common import (
+    add_dataset_flags,
+    add_engine_flags,
+    environment,
+    make_llm,
+    make_requests,
+    model_shape,
+    print_table,
+    roofline,
+    write_json,
+)
 
-from jengine import SamplingParams
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_flags(parser)
-    parser.add_argument("--dataset", default="random", choices=("random",))
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=256)
-    args = parser.parse_args()
+def run_jengine(args, requests) -> dict:
+    from jengine import SamplingParams
 
     llm = make_llm(args)
     engine = llm.engine
-    prompts = random_prompts(args.num_prompts, args.input_len, engine.model_config.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    prompts = [p for p, _ in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in requests]
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine.scheduler.block_manager.reset_prefix_cache()
-    steps0 = engine.stats["steps"]
+    steps0, preempt0 = engine.stats["steps"], engine.stats["preemptions"]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    total = out_tokens + args.num_prompts * args.input_len
-    result = {"elapsed_s": elapsed, "req_s": args.num_prompts / elapsed, "total_tok_s": total / elapsed,
-              "output_tok_s": out_tokens / elapsed, "steps": engine.stats["steps"] - steps0,
-              "preemptions": engine.stats["preemptions"]}
-    print(f"{args.num_prompts} requests in {elapsed:.2f}s: {result['req_s']:.2f} req/s, "
-          f"{result['total_tok_s']:.0f} total tok/s, {result['output_tok_s']:.0f} output tok/s, "
-          f"{result['steps']} steps")
-    write_json(args.output_json, {"env": environment(), "args": vars(args), "result": result})
+    return {"backend": "jengine", "elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "steps": engine.stats["steps"] - steps0, "preemptions": engine.stats["preemptions"] - preempt0}
+
+
+def run_hf(args, requests) -> list[dict]:
+    import hf_backend
+
+    model = hf_backend.load(args.model, args.dtype, attn="sdpa")
+    prompts = [p for p, _ in requests]
+    rows = []
+    if "batch" in args.hf_modes:
+        res = hf_backend.generate_batch(model, prompts, [o for _, o in requests], attn=args.hf_cb_attn)
+        if res is not None:
+            rows.append({"backend": "hf-generate_batch", "elapsed_s": res[0], "output_tokens": res[1]})
+    if "static" in args.hf_modes:
+        if len({o for _, o in requests}) > 1 or len({len(p) for p in prompts}) > 1:
+            print("hf static generate: lengths differ per request; prompts are left-padded and every batch "
+                  "runs to the longest output")
+        out_len = max(o for _, o in requests)
+        hf_backend.generate_static(model, prompts[:args.hf_batch_size], 4, args.hf_batch_size)  # warm-up
+        elapsed, out_tokens = hf_backend.generate_static(model, prompts, out_len, args.hf_batch_size)
+        rows.append({"backend": f"hf-generate-b{args.hf_batch_size}", "elapsed_s": elapsed,
+                     "output_tokens": out_tokens})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_flags(parser)
+    add_dataset_flags(parser, num_prompts=256, input_len=512, output_len=256)
+    parser.add_argument("--backend", default="jengine", choices=("jengine", "hf", "both"))
+    parser.add_argument("--hf-modes", nargs="+", default=["batch", "static"], choices=("batch", "static"),
+                        help="transformers runs: generate_batch (continuous batching) and/or static generate")
+    parser.add_argument("--hf-batch-size", type=int, default=64, help="batch size of static generate")
+    parser.add_argument("--hf-cb-attn", default="paged|sdpa", help="attention for generate_batch")
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 ceiling for the bound")
+    parser.add_argument("--peak-tb-s", type=float, default=4.3, help="copy-bandwidth ceiling for the bound")
+    args = parser.parse_args(argv)
+
+    requests = make_requests(args, model_shape(args.model)["vocab"])
+    lengths = [(len(p), o) for p, o in requests]
+    prompt_tokens = sum(i for i, _ in lengths)
+    print(f"workload: {args.dataset}, {len(requests)} requests, {prompt_tokens} prompt tokens "
+          f"(mean {prompt_tokens / len(requests):.0f}), {sum(o for _, o in lengths)} output tokens")
+    bound = roofline(args.model, lengths, args.max_num_seqs, dtype_bytes=4 if "32" in args.dtype else 2,
+                     flops=args.peak_tflops * 1e12,
+                     bandwidth=args.peak_tb_s * 1e12)
+    rows = []
+    if args.backend in ("jengine", "both"):
+        rows.append(run_jengine(args, requests))
+    if args.backend in ("hf", "both"):
+        rows += run_hf(args, requests)
+    for r in rows:
+        t = r["elapsed_s"]
+        r.update(req_s=len(requests) / t, output_tok_s=r["output_tokens"] / t,
+                 total_tok_s=(r["output_tokens"] + prompt_tokens) / t, fraction_of_bound=bound["bound_s"] / t)
+    print_table(rows, ["backend", "elapsed_s", "req_s", "total_tok_s", "output_tok_s", "fraction_of_bound"])
+    print(f"roofline bound {bound['bound_s']:.2f}s = {bound['bound_output_tok_s']:.0f} output tok/s "
+          f"(prefill {bound['prefill_tflop']:.0f} TFLOP at {bound['peak_tflops']:.0f} TFLOP/s = "
+          f"{bound['prefill_bound_s']:.2f}s; decode {bound['decode_steps']} steps, "
+          f"{bound['decode_weight_gb']:.0f} GB weights + {bound['decode_kv_gb']:.0f} GB KV at "
+          f"{bound['peak_tb_s']} TB/s = {bound['decode_bound_s']:.2f}s)")
+    ratios = {}
+    jen = next((r for r in rows if r["backend"] == "jengine"), None)
+    for r in rows:
+        if jen is not None and r is not jen:
+            ratios[r["backend"]] = jen["output_tok_s"] / r["output_tok_s"]
+            print(f"jengine / {r['backend']}: {ratios[r['backend']]:.2f}x output tok/s")
+    payload = {"env": environment(), "args": vars(args), "bound": bound, "results": rows, "ratios": ratios}
+    write_json(args.output_json, payload)
+    return payload
 
 
 if __name__ == "__main__":
