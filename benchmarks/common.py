@@ -73,6 +73,7 @@ def write_json(path: str | None, payload: dict) -> None:
 
 H200_BF16_FLOPS = 790e12  # FLOP/s, measured dense bf16 matmul ceiling (shared/BENCHMARKS.md)
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 # ShareGPT-like lengths: lognormal input / output token counts (medians near the ShareGPT-V3 figures
 # vLLM's scripts sample: prompts ~ 250 tokens with a long tail, replies ~ 200 tokens), seeded and fixed.
@@ -206,18 +207,26 @@ def print_table(rows: list[dict], columns: list[str], fmt: str = "{:.2f}") -> No
 
 
 class CompileCounter:
-    """Counts XLA backend compilations while active (the event tests/test_no_recompile.py listens to)."""
+    """Counts programs built while active: `count` backend-compile events (the event tests/test_no_recompile.py
+    listens to; it also fires for a program loaded from the persistent cache), `cache_hits` those loaded."""
 
     def __init__(self):
         self.count = 0
+        self.cache_hits = 0
 
     def _listener(self, event, duration, **kwargs):
         if event == COMPILE_EVENT:
             self.count += 1
 
+    def _hit_listener(self, event, **kwargs):
+        if event == CACHE_HIT_EVENT:
+            self.cache_hits += 1
+
     def __enter__(self):
         jax.monitoring.register_event_duration_secs_listener(self._listener)
+        jax.monitoring.register_event_listener(self._hit_listener)
         return self
 
     def __exit__(self, *exc):
         jax.monitoring.unregister_event_duration_listener(self._listener)
+        jax.monitoring.unregister_event_listener(self._hit_listener)

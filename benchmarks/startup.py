@@ -1,0 +1,129 @@
+"""Start-up: process start to first token, with an empty and then a warm compilation cache.
+
+    python benchmarks/startup.py --model jengine/llama-3.1-8b --max-model-len 2048
+
+Runs a child process twice (cold: a fresh temporary `compilation_cache_dir`; warm: the same dir again).
+Each child builds the engine, generates one token, and reports the wall time from just before the parent
+spawned it to that token. It then runs a short randomised workload (prompt lengths, output lengths and
+sampling options drawn at random) and counts the XLA compilations that happen after warm-up (the goal
+is 0), with the listener tests/test_no_recompile.py uses. startup_programs counts the programs built
+during start-up (compiled, or loaded from the persistent cache: startup_cache_hits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import CompileCounter, add_engine_flags, build_llm, environment, print_table, write_json
+
+_MARK = "STARTUP_RESULT "
+
+
+def random_params(rng: random.Random, max_tokens: int):
+    from jengine import SamplingParams
+
+    options = dict(max_tokens=rng.randint(1, max_tokens), ignore_eos=rng.random() < 0.5)
+    if rng.random() < 0.7:
+        options.update(temperature=rng.choice([0.5, 1.0]), top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 50]),
+                       min_p=rng.choice([0.0, 0.1]), seed=rng.choice([None, rng.randrange(1000)]))
+    else:
+        options.update(temperature=0.0)
+    if rng.random() < 0.3:
+        options.update(presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.2)
+    if rng.random() < 0.3:
+        options.update(logprobs=rng.randint(0, 5), n=rng.randint(1, 2))
+    return SamplingParams(**options)
+
+
+def child(args) -> None:
+    """One measured process: engine, first token, then the randomised workload under the compile counter."""
+    import jax
+
+    from jengine import SamplingParams
+
+    if args.cache_min_compile_secs is not None:  # set before the engine, which then leaves it alone
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_secs)
+    with CompileCounter() as startup_compiles:
+        llm = build_llm(args, compilation_cache_dir=args.cache_dir)
+        vocab = llm.engine.model_config.vocab_size
+        llm.generate([[101, 102, 103, 104]], SamplingParams(max_tokens=1), use_tqdm=False)
+        first_token = time.time()
+    rng = random.Random(args.seed)
+    max_prompt = max(1, min(args.workload_max_prompt, args.max_model_len - args.workload_max_tokens))
+    with CompileCounter() as later:
+        for _ in range(args.workload_rounds):
+            n = rng.randint(1, args.workload_requests)
+            prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(1, max_prompt))] for _ in range(n)]
+            llm.generate(prompts, [random_params(rng, args.workload_max_tokens) for _ in prompts], use_tqdm=False)
+    print(_MARK + json.dumps({"first_token_wall": first_token, "engine_startup_s": llm.engine.startup_seconds,
+                              "buckets": llm.engine.num_compiled_buckets, "startup_programs": startup_compiles.count,
+                              "startup_cache_hits": startup_compiles.cache_hits,
+                              "compilations_after_warmup": later.count}), flush=True)
+
+
+def run_child(argv: list[str], cache_dir: str, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", "--cache-dir", cache_dir]
+    spawn = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(_MARK)), None)
+    if proc.returncode != 0 or line is None:
+        raise SystemExit(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    result = json.loads(line[len(_MARK):])
+    result["first_token_s"] = result.pop("first_token_wall") - spawn
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_flags(parser)
+    parser.add_argument("--cache-dir", default=None, help="compilation cache dir (default: a fresh temp dir)")
+    parser.add_argument("--cache-min-compile-secs", type=float, default=None,
+                        help="persist programs compiling at least this long (default: the engine's setting)")
+    parser.add_argument("--workload-rounds", type=int, default=4)
+    parser.add_argument("--workload-requests", type=int, default=16, help="most requests per round")
+    parser.add_argument("--workload-max-prompt", type=int, default=512)
+    parser.add_argument("--workload-max-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--child-timeout", type=float, default=1800)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args)
+        return {}
+
+    own = list(sys.argv[1:] if argv is None else argv)
+    if "--output-json" in own:  # the children print; only the parent writes the file
+        i = own.index("--output-json")
+        del own[i:i + 2]
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="jengine-xla-cache-")
+    if args.cache_dir is None or not os.listdir(cache_dir):
+        print(f"compilation cache: {cache_dir} (empty)")
+    else:
+        print(f"warning: {cache_dir} is not empty, so the 'cold' run is not cold")
+    rows = []
+    for mode in ("cold", "warm"):
+        row = {"cache": mode, **run_child(own, cache_dir, args.child_timeout)}
+        row["cache_files"] = sum(len(f) for _, _, f in os.walk(cache_dir))
+        rows.append(row)
+        print(f"{mode}: first token after {row['first_token_s']:.1f}s")
+    if args.cache_dir is None:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    print_table(rows, ["cache", "first_token_s", "engine_startup_s", "buckets", "startup_programs",
+                       "startup_cache_hits", "compilations_after_warmup", "cache_files"])
+    payload = {"env": environment(), "args": vars(args), "results": rows}
+    write_json(args.output_json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
