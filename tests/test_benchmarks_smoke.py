@@ -1,0 +1,92 @@
+"""Every benchmark program runs end to end on the tiny preset and writes valid JSON (sizes tiny, CPU)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+ENGINE = ["--model", "jengine/tiny-llama", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
+          "--max-num-batched-tokens", "64", "--token-buckets", "16", "64", "--seq-buckets", "8"]
+
+
+def _run(name: str, argv: list[str], tmp_path) -> dict:
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    out = tmp_path / f"{name}.json"
+    importlib.import_module(name).main([*argv, "--output-json", str(out)])
+    with open(out) as f:
+        return json.load(f)
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_throughput_random_and_chat_like_write_results_and_bound(tmp_path):
+    data = _run("throughput", [*ENGINE, "--num-prompts", "8", "--input-len", "16", "--output-len", "4"], tmp_path)
+    (row,) = data["results"]
+    assert row["backend"] == "jengine" and row["output_tokens"] == 32 and data["bound"]["bound_s"] > 0
+    data = _run("throughput", [*ENGINE, "--dataset", "chat-like", "--num-prompts", "6"], tmp_path)
+    assert data["results"][0]["output_tokens"] > 0
+
+
+@pytest.mark.skipif(not _has_torch(), reason="torch / transformers not installed")
+def test_throughput_hf_backend_reports_ratio(tmp_path):
+    data = _run("throughput", [*ENGINE, "--backend", "both", "--num-prompts", "4", "--input-len", "8",
+                               "--output-len", "4", "--hf-batch-size", "4"], tmp_path)
+    assert data["ratios"]
+
+
+def test_latency_reports_each_batch_size(tmp_path):
+    data = _run("latency", [*ENGINE, "--batch-sizes", "1", "2", "--input-len", "8", "--output-len", "4",
+                            "--num-iters", "1"], tmp_path)
+    assert [r["batch"] for r in data["results"]] == [1, 2]
+    assert all(r["ms_per_step"] > 0 for r in data["results"])
+
+
+def test_prefix_caching_on_computes_fewer_prompt_tokens(tmp_path):
+    data = _run("prefix", [*ENGINE, "--num-prompts", "8", "--prefix-len", "48", "--suffix-len", "8",
+                           "--output-len", "2"], tmp_path)
+    on, off = data["results"]
+    assert off["computed_prompt_tokens"] == off["prompt_tokens"] == 8 * 56
+    assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"]
+
+
+def test_long_context_runs_chunked_on_and_off(tmp_path):
+    argv = [*ENGINE, "--num-decodes", "2", "--decode-input-len", "8", "--decode-output-len", "48",
+            "--warmup-tokens", "2", "--long-input-lens", "160", "200", "--long-output-len", "2",
+            "--long-interval-steps", "2"]
+    data = _run("long_context", argv, tmp_path)
+    assert [r["chunked_prefill"] for r in data["results"]] == ["on", "off"]
+    assert all(r["long_ttft_mean_ms"] > 0 and r["decode_tpot_ms"] > 0 for r in data["results"])
+
+
+def test_startup_cold_and_warm_cache(tmp_path):
+    data = _run("startup", [*ENGINE, "--workload-rounds", "1", "--workload-requests", "3",
+                            "--workload-max-prompt", "32", "--workload-max-tokens", "4",
+                            "--cache-min-compile-secs", "0"], tmp_path)
+    cold, warm = data["results"]
+    assert cold["first_token_s"] > 0 and warm["first_token_s"] > 0
+    assert warm["startup_cache_hits"] > 0 and cold["startup_cache_hits"] == 0
+    assert isinstance(warm["compilations_after_warmup"], int)
+
+
+def test_serving_launches_a_server_and_measures_streams(tmp_path):
+    argv = ["--launch-server", "--model", "jengine/tiny-llama", "--max-model-len", "256", "--num-prompts", "6",
+            "--input-len", "16", "--output-len", "4", "--request-rate", "100", "--goodput", "ttft:60000",
+            "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--token-buckets", "16,64", "--seq-buckets", "8",
+            "--dtype", "float32"]
+    data = _run("serving", argv, tmp_path)
+    result = data["result"]
+    assert result["completed"] == 6 and result["failed"] == 0 and result["output_tokens"] == 24
+    assert result["ttft_mean_ms"] > 0 and result["goodput_req_s"] > 0
