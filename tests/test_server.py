@@ -107,6 +107,16 @@ def test_stop_echo_and_several_prompts(client):
     assert [c.index for c in multi.choices] == [0, 1] and multi.choices[0].text == text
 
 
+def test_echo_with_logprobs_scores_the_prompt_tokens(client):
+    kw = dict(model=MODEL, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    choice = client.completions.create(prompt=[72, 101, 108, 108, 111], echo=True, logprobs=2, **kw).choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == 5 + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
 def test_tokenize_detokenize_and_embeddings(server, client):
     tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "héllo"}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256

@@ -176,6 +176,27 @@ class OpenAIServing:
             text_offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def _echo_logprobs(self, out: RequestOutput, as_ids: bool) -> dict:
+        """OpenAI's logprobs of echoed prompt tokens: the first token has none."""
+        tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+        for pos, tid in enumerate(out.prompt_token_ids):
+            s = self.token_str(tid, as_ids)
+            lps = out.prompt_logprobs[pos] if out.prompt_logprobs else None
+            tokens.append(s)
+            token_lps.append(None if lps is None else lps[tid].logprob)
+            tops.append(None if lps is None else {self.token_str(t, as_ids): lp.logprob for t, lp in lps.items()})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _with_echo(self, out: RequestOutput, c: CompletionOutput, start: int, as_ids: bool) -> dict | None:
+        """Completion logprobs from token `start`, preceded by the prompt's when echo asked for them."""
+        if out.prompt_logprobs is None or start > 0:
+            return self._completion_logprobs(c, start, 0, as_ids)
+        head = self._echo_logprobs(out, as_ids)
+        tail = self._completion_logprobs(c, 0, sum(len(t) for t in head["tokens"]), as_ids)
+        return {key: head[key] + (tail[key] if tail else []) for key in head}
+
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
             return out.prompt
@@ -194,7 +215,7 @@ class OpenAIServing:
                 if req.echo and k0 == 0:
                     delta = self._prompt_text(out) + delta
                 return {**head, "choices": [{"index": index, "text": delta,
-                                             "logprobs": self._completion_logprobs(c, k0, 0, ids),
+                                             "logprobs": self._with_echo(out, c, k0, ids),
                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
 
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -206,7 +227,8 @@ class OpenAIServing:
             prefix = self._prompt_text(out) if req.echo else ""
             for c in out.outputs:
                 choices.append({"index": i * params.n + c.index, "text": prefix + c.text,
-                                "logprobs": self._completion_logprobs(c, 0, len(prefix), ids),
+                                "logprobs": self._with_echo(out, c, 0, ids) if req.echo
+                                else self._completion_logprobs(c, 0, 0, ids),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**head, "choices": choices, "usage": self._usage(finals)}
 

@@ -121,9 +121,10 @@ class CompletionRequest(_Sampling):
             raise ValueError("best_of is not supported (it must equal n when given)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {self.logprobs}")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (prompt logprobs are not computed)")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        params = self.sampling_params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:  # echoed prompt tokens carry their logprobs too
+            params = params.clone(prompt_logprobs=self.logprobs)
+        return params
 
 
 class TextPart(_Body):
