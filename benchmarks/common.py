@@ -54,13 +54,45 @@ def streamed_weight_bytes(params: dict) -> int:
     return sum(int(v.size) * v.dtype.itemsize for k, v in params.items() if k != "embed")
 
 
-def environment() -> dict:
+def environment(use_jax: bool = True) -> dict:
+    """Where a result was measured. use_jax=False (transformers-only runs) leaves the JAX client unstarted,
+    so it never preallocates device memory next to torch."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = "unknown"
-    return {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "jax": jax.__version__,
-            "host": platform.node(), "commit": commit}
+    env = {"host": platform.node(), "commit": commit}
+    if use_jax:
+        env.update(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), jax=jax.__version__)
+    return env
+
+
+def hf_in_child(script: str, argv: list[str] | None) -> list[dict]:
+    """Run `script` with --backend hf in a child process and return its result rows.
+
+    transformers gets its own process: JAX preallocates most of the device memory once its client starts,
+    so torch could not allocate beside it. Call this before anything here touches JAX.
+    """
+    import os
+    import sys
+    import tempfile
+
+    rest, skip = [], False
+    for a in list(sys.argv[1:] if argv is None else argv):
+        if skip:
+            skip = False
+        elif a in ("--backend", "--output-json"):
+            skip = True
+        elif not a.startswith(("--backend=", "--output-json=")):
+            rest.append(a)
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        subprocess.run([sys.executable, script, *rest, "--backend", "hf", "--output-json", out], check=True)
+        with open(out) as f:
+            return json.load(f)["results"]
+    finally:
+        os.unlink(out)
 
 
 def write_json(path: str | None, payload: dict) -> None:

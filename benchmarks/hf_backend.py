@@ -54,31 +54,36 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def generate_static(model, prompts: list[list[int]], output_len: int, batch_size: int) -> tuple[float, int]:
-    """Plain `generate` on static batches of `batch_size` (prompts of one length); (seconds, output tokens)."""
+def generate_static(model, prompts: list[list[int]], output_lens, batch_size: int) -> tuple[float, int]:
+    """Plain `generate` on static batches of `batch_size` (left-padded); (seconds, useful output tokens).
+
+    `output_lens`: one length for all, or one per prompt (a batch then runs to its longest; only the
+    tokens each request asked for are counted).
+    """
     torch, _ = _require()
+    lens = [output_lens] * len(prompts) if isinstance(output_lens, int) else list(output_lens)
     device = next(model.parameters()).device
     out_tokens = 0
     _sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
         for lo in range(0, len(prompts), batch_size):
-            chunk = prompts[lo:lo + batch_size]
-            width = max(len(p) for p in chunk)
+            chunk, want = prompts[lo:lo + batch_size], lens[lo:lo + batch_size]
+            width, n = max(len(p) for p in chunk), max(want)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0, eos_token_id=None)
-            out_tokens += (out.shape[1] - width) * len(chunk)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+            out_tokens += sum(min(w, out.shape[1] - width) for w in want)
     _sync()
     return time.perf_counter() - t0, out_tokens
 
 
 def generate_batch(model, prompts: list[list[int]], output_lens: list[int], attn: str = "paged|sdpa"):
-    """transformers' continuous batching (`generate_batch`); (seconds, output tokens) or None if absent.
+    """transformers' continuous batching; (seconds, output tokens), or None where this transformers lacks it.
 
-    generate_batch takes one max_new_tokens for all requests, so the longest output length is used when
-    they differ (the caller reports the tokens actually generated).
+    Equal output lengths go through `generate_batch`; different ones through the manager it wraps, one
+    `add_request(max_new_tokens=...)` per request. EOS is disabled (eos_token_id -1).
     """
     torch, transformers = _require()
     if not hasattr(model, "generate_batch"):
@@ -91,15 +96,34 @@ def generate_batch(model, prompts: list[list[int]], output_lens: list[int], attn
         model.set_attn_implementation(attn)
     except (ValueError, ImportError) as e:
         print(f"hf: could not switch attention to {attn!r} ({e}); generate_batch picks its own")
-    config = GenerationConfig(max_new_tokens=max(output_lens), min_new_tokens=max(output_lens), do_sample=False,
-                              eos_token_id=-1, pad_token_id=0)
+    config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
     try:
         model.generate_batch(inputs=prompts[:4], generation_config=config, progress_bar=False)  # warm-up
         _sync()
         t0 = time.perf_counter()
-        results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        if len(set(output_lens)) == 1:
+            results = list(model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False).values())
+        else:
+            results = _manager_run(model, config, prompts, output_lens)
         _sync()
         elapsed = time.perf_counter() - t0
     finally:
         model.set_attn_implementation(previous)
-    return elapsed, sum(len(r.generated_tokens) for r in results.values())
+    return elapsed, sum(len(r.generated_tokens) for r in results)
+
+
+def _manager_run(model, config, prompts: list[list[int]], output_lens: list[int]) -> list:
+    import torch
+
+    results = []
+    with torch.inference_mode(), model.continuous_batching_context_manager(generation_config=config, block=True,
+                                                                           timeout=5) as manager:
+        for i, (p, n) in enumerate(zip(prompts, output_lens)):
+            manager.add_request(input_ids=p, request_id=f"req_{i}", max_new_tokens=n, eos_token_id=-1)
+        while len(results) < len(prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results.append(result)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped early")
+    return results

@@ -17,6 +17,7 @@ from common import (
     H200_COPY_BW,
     add_engine_flags,
     environment,
+    hf_in_child,
     make_llm,
     model_shape,
     print_table,
@@ -88,11 +89,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--backend", default="jengine", choices=("jengine", "hf", "both"))
     parser.add_argument("--peak-tb-s", type=float, default=H200_COPY_BW / 1e12, help="bandwidth of the bound")
     args = parser.parse_args(argv)
+    if args.backend != "jengine":
+        import hf_backend
 
-    rows = []
+        if not hf_backend.available():
+            parser.error(f"--backend {args.backend} needs torch and transformers installed")
+
+    rows = hf_in_child(__file__, argv) if args.backend == "both" else []  # first: before JAX takes the device
     if args.backend in ("jengine", "both"):
-        rows += run_jengine(args)
-    if args.backend in ("hf", "both"):
+        rows = run_jengine(args) + rows
+    if args.backend == "hf":
         rows += run_hf(args)
     for r in rows:
         bound = r["weight_bytes"] / (args.peak_tb_s * 1e12)
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         if r["backend"] == "jengine" and other is not None:
             ratios[str(r["batch"])] = r["out_tok_s"] / other["out_tok_s"]
             print(f"batch {r['batch']}: jengine / hf = {ratios[str(r['batch'])]:.2f}x output tok/s")
-    payload = {"env": environment(), "args": vars(args), "results": rows, "ratios": ratios}
+    payload = {"env": environment(use_jax=args.backend != "hf"), "args": vars(args), "results": rows, "ratios": ratios}
     save(args.output_json, payload)
     return payload
 

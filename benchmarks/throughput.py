@@ -18,6 +18,7 @@ from common import (
     add_dataset_flags,
     add_engine_flags,
     environment,
+    hf_in_child,
     make_llm,
     make_requests,
     model_shape,
@@ -56,11 +57,11 @@ def run_hf(args, requests) -> list[dict]:
             rows.append({"backend": "hf-generate_batch", "elapsed_s": res[0], "output_tokens": res[1]})
     if "static" in args.hf_modes:
         if len({o for _, o in requests}) > 1 or len({len(p) for p in prompts}) > 1:
-            print("hf static generate: lengths differ per request; prompts are left-padded and every batch "
-                  "runs to the longest output")
-        out_len = max(o for _, o in requests)
+            print("hf static generate: lengths differ per request; prompts are left-padded and each batch "
+                  "runs to its longest output (only requested tokens are counted)")
         hf_backend.generate_static(model, prompts[:args.hf_batch_size], 4, args.hf_batch_size)  # warm-up
-        elapsed, out_tokens = hf_backend.generate_static(model, prompts, out_len, args.hf_batch_size)
+        elapsed, out_tokens = hf_backend.generate_static(model, prompts, [o for _, o in requests],
+                                                         args.hf_batch_size)
         rows.append({"backend": f"hf-generate-b{args.hf_batch_size}", "elapsed_s": elapsed,
                      "output_tokens": out_tokens})
     return rows
@@ -78,6 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 ceiling for the bound")
     parser.add_argument("--peak-tb-s", type=float, default=4.3, help="copy-bandwidth ceiling for the bound")
     args = parser.parse_args(argv)
+    if args.backend != "jengine":
+        import hf_backend
+
+        if not hf_backend.available():
+            parser.error(f"--backend {args.backend} needs torch and transformers installed")
 
     requests = make_requests(args, model_shape(args.model)["vocab"])
     lengths = [(len(p), o) for p, o in requests]
@@ -87,10 +93,10 @@ def main(argv: list[str] | None = None) -> dict:
     bound = roofline(args.model, lengths, args.max_num_seqs, dtype_bytes=4 if "32" in args.dtype else 2,
                      flops=args.peak_tflops * 1e12,
                      bandwidth=args.peak_tb_s * 1e12)
-    rows = []
+    rows = hf_in_child(__file__, argv) if args.backend == "both" else []  # first: before JAX takes the device
     if args.backend in ("jengine", "both"):
-        rows.append(run_jengine(args, requests))
-    if args.backend in ("hf", "both"):
+        rows.insert(0, run_jengine(args, requests))
+    if args.backend == "hf":
         rows += run_hf(args, requests)
     for r in rows:
         t = r["elapsed_s"]
@@ -108,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
         if jen is not None and r is not jen:
             ratios[r["backend"]] = jen["output_tok_s"] / r["output_tok_s"]
             print(f"jengine / {r['backend']}: {ratios[r['backend']]:.2f}x output tok/s")
-    payload = {"env": environment(), "args": vars(args), "bound": bound, "results": rows, "ratios": ratios}
+    payload = {"env": environment(use_jax=args.backend != "hf"), "args": vars(args), "bound": bound, "results": rows,
+               "ratios": ratios}
     write_json(args.output_json, payload)
     return payload
 
