@@ -52,8 +52,11 @@ class _Run:
 
     async def items(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         done = 0
-        for entry in self.pending:
-            yield entry
+        for i, item in self.pending:  # a prompt may already have finished while the others started
+            if item is _DONE:
+                done += 1
+            else:
+                yield i, item
         self.pending = []
         while done < len(self.tasks):
             i, item = await self.queue.get()
