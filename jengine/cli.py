@@ -23,6 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"))
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="devices to split the model over (must divide the device count and the query heads)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -31,7 +33,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                 preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill)
+                enable_chunked_prefill=args.enable_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _generate(args: argparse.Namespace) -> int:

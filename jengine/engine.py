@@ -26,6 +26,7 @@ from jengine.runner import ModelRunner, build_step_input, to_host
 from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES, SamplingRow, build_sampling_tensors
 from jengine.sampling_params import SamplingParams
 from jengine.scheduler import Scheduler, SchedulerOutput
+from jengine.sharding import log_memory, make_mesh, sharded_model_config
 from jengine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -61,14 +62,20 @@ class LLMEngine:
         t0 = time.perf_counter()
         if config.compilation_cache_dir:
             _enable_compilation_cache(config.compilation_cache_dir)
+        tp = config.tensor_parallel_size
+        config.check_tensor_parallel(None, jax.device_count())
+        mesh = make_mesh(tp)
         self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                                               seed=config.seed)
-        self.config = config.resolve(self.model_config, jax.default_backend())
+                                               seed=config.seed, mesh=mesh)
+        self.config = config.resolve(self.model_config, jax.default_backend(), jax.device_count())
         cfg, ecfg = self.model_config, self.config
         self.tokenizer = load_tokenizer(ecfg.model)
-        num_pages = num_device_pages(cfg, ecfg, cfg.dtype)
-        num_cpu_pages = num_host_pages(cfg, ecfg, cfg.dtype)
-        self.runner = ModelRunner(cfg, ecfg, params, num_pages, num_cpu_pages)
+        device_cfg = sharded_model_config(cfg, tp)  # KV heads replicated when tp exceeds them
+        log_memory(f"weights per device (tensor_parallel_size={tp})", params)
+        num_pages = num_device_pages(device_cfg, ecfg, cfg.dtype, tp=tp)
+        num_cpu_pages = num_host_pages(device_cfg, ecfg, cfg.dtype)
+        self.runner = ModelRunner(device_cfg, ecfg, params, num_pages, num_cpu_pages, mesh=mesh)
+        log_memory("KV cache per device", self.runner.kv_caches)
         self.scheduler = Scheduler(
             num_blocks=num_pages, block_size=ecfg.block_size, max_num_batched_tokens=ecfg.max_num_batched_tokens,
             max_num_seqs=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len, eos_token_ids=cfg.eos_token_ids,

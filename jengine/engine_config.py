@@ -33,6 +33,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/jengine/xla"  # persistent XLA cache; None: off
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
+    tensor_parallel_size: int = 1  # devices one model is split over (heads, MLP columns, vocabulary)
 
     def __post_init__(self):
         def positive_int(name, value, allow_none=True):
@@ -45,6 +46,7 @@ class EngineConfig:
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        positive_int("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -67,11 +69,12 @@ class EngineConfig:
                     raise ValueError(f"{name} must be a non-empty list of positive integers, got {value!r}")
                 object.__setattr__(self, name, tuple(sorted(set(value))))
 
-    def resolve(self, model_cfg: ModelConfig, backend: str = "gpu") -> EngineConfig:
+    def resolve(self, model_cfg: ModelConfig, backend: str = "gpu", num_devices: int | None = None) -> EngineConfig:
         """Fill the `None` fields from the model and the backend, and check the combination.
 
         On the CPU (tests, notebooks) the defaults are small so start-up compiles few buckets.
         """
+        self.check_tensor_parallel(model_cfg, num_devices)
         on_cpu = backend == "cpu"
         max_len = self.max_model_len or model_cfg.max_position_embeddings
         max_seqs = self.max_num_seqs or (8 if on_cpu else 256)
@@ -98,6 +101,15 @@ class EngineConfig:
             raise ValueError(f"the largest sequence bucket ({max(seq_buckets)}) must be >= max_num_seqs ({max_seqs})")
         return dataclasses.replace(self, max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=batched,
                                    token_buckets=token_buckets, seq_buckets=seq_buckets)
+
+    def check_tensor_parallel(self, model_cfg: ModelConfig | None, num_devices: int | None) -> None:
+        """tensor_parallel_size must divide the device count and the model's query heads."""
+        tp = self.tensor_parallel_size
+        if num_devices is not None and num_devices % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the number of devices ({num_devices})")
+        if model_cfg is not None and model_cfg.num_attention_heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the number of query heads "
+                             f"({model_cfg.num_attention_heads})")
 
     @property
     def pages_per_seq(self) -> int:

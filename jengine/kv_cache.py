@@ -33,8 +33,11 @@ def activation_reserve(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> int:
     return 2 * tokens * width * jnp.dtype(dtype).itemsize + 4 * ecfg.max_num_seqs * cfg.vocab_size * 4
 
 
-def num_device_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, device=None) -> int:
-    """How many pages fit in `gpu_memory_utilization` of the device after weights and temporaries."""
+def num_device_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, device=None, tp: int = 1) -> int:
+    """How many pages fit in `gpu_memory_utilization` of the device after weights and temporaries.
+
+    Under tensor parallelism (`tp` devices, `cfg` with the KV heads the devices hold) each device
+    holds 1/tp of every page."""
     if ecfg.num_gpu_blocks_override:
         return ecfg.num_gpu_blocks_override
     device = device or jax.devices()[0]
@@ -42,9 +45,9 @@ def num_device_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, device=None) -
     if stats and "bytes_limit" in stats:
         budget = int(stats["bytes_limit"] * ecfg.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
         budget -= activation_reserve(cfg, ecfg, dtype)
-        pages = budget // page_bytes(cfg, ecfg.block_size, dtype)
+        pages = budget // (page_bytes(cfg, ecfg.block_size, dtype) // tp)
     else:  # host memory: a modest pool, never more than every sequence at full length needs
-        pages = min(_CPU_DEFAULT_BYTES // page_bytes(cfg, ecfg.block_size, dtype),
+        pages = min(_CPU_DEFAULT_BYTES // (page_bytes(cfg, ecfg.block_size, dtype) // tp),
                     ecfg.max_num_seqs * ecfg.pages_per_seq + 1)
     if pages < ecfg.pages_per_seq + 1:
         raise ValueError(
@@ -58,10 +61,12 @@ def num_host_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> int:
     return int(ecfg.swap_space * (1 << 30)) // page_bytes(cfg, ecfg.block_size, dtype)
 
 
-def allocate(cfg: ModelConfig, num_pages: int, block_size: int, dtype) -> list[jax.Array]:
-    """One zeroed cache array per layer."""
+def allocate(cfg: ModelConfig, num_pages: int, block_size: int, dtype, sharding=None) -> list[jax.Array]:
+    """One zeroed cache array per layer (`sharding`: split by KV heads under tensor parallelism)."""
     shape = kv_cache_shape(num_pages, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return [jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)]
+    if sharding is None:
+        return [jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)]
+    return [jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_hidden_layers)]
 
 
 @jax.jit

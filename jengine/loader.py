@@ -2,10 +2,14 @@
 
 Everything is driven by the family's `weight_specs(cfg)`: the loader fetches each spec's HF tensors,
 checks their shapes, transposes and fuses them, and casts to the requested dtype on the device.
+With a tensor-parallel `mesh`, each weight goes straight into its shards (`jengine.sharding`): from
+host numpy slices for safetensors, generated per shard for dummy weights, restored per shard from Orbax;
+fused weights are put in the TP layout on the way. No device ever holds a full copy of a split weight.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -21,6 +25,15 @@ from safetensors import safe_open
 from jengine.config import ModelConfig, normalize_dtype
 from jengine.models import WeightSpec, get_model_family
 from jengine.presets import resolve_model
+from jengine.sharding import (
+    TP,
+    check_tensor_parallel,
+    fused_parts,
+    named_sharding,
+    sharded_model_config,
+    to_tp_layout,
+    tp_size,
+)
 
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
 ORBAX_DIR = "orbax_params"
@@ -28,11 +41,13 @@ _INDEX = "model.safetensors.index.json"
 
 
 def load_model(model: str, dtype: str | None = None, load_format: str = "auto",
-               seed: int = 0) -> tuple[ModelConfig, dict[str, jax.Array]]:
+               seed: int = 0, mesh=None) -> tuple[ModelConfig, dict[str, jax.Array]]:
     """Load a model directory (or a built-in preset name) into `(config, params)`.
 
     `dtype` None or "auto" keeps the checkpoint's dtype from config.json. `load_format="dummy"` makes
     deterministic random weights from `seed` for any config (as vLLM's `--load-format dummy`).
+    `mesh`: a tensor-parallel mesh (`sharding.make_mesh`); params come back sharded, in the TP layout,
+    shaped as `weight_specs(sharded_model_config(cfg, tp))`. The returned config is the checkpoint's.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; use one of {', '.join(LOAD_FORMATS)}")
@@ -41,13 +56,40 @@ def load_model(model: str, dtype: str | None = None, load_format: str = "auto",
     if dtype not in (None, "auto"):
         cfg = cfg.replace(dtype=normalize_dtype(dtype))
     specs = get_model_family(cfg.architecture).weight_specs(cfg)
+    layout = None
+    if mesh is not None:
+        check_tensor_parallel(cfg, tp_size(mesh))
+        layout = TensorParallelLayout(cfg, specs, mesh)
     if load_format == "auto":
         load_format = detect_format(model_dir, is_preset)
     if load_format == "dummy":
-        return cfg, dummy_params(specs, cfg.dtype, seed)
+        return cfg, dummy_params(specs, cfg.dtype, seed, layout)
     if load_format == "orbax":
-        return cfg, load_orbax(os.path.join(model_dir, ORBAX_DIR), specs, cfg.dtype)
-    return cfg, load_safetensors(model_dir, specs, cfg.dtype)
+        return cfg, load_orbax(os.path.join(model_dir, ORBAX_DIR), specs, cfg.dtype, layout)
+    return cfg, load_safetensors(model_dir, specs, cfg.dtype, layout)
+
+
+class TensorParallelLayout:
+    """Where each weight lives under TP: its fused-column permutation and its sharding."""
+
+    def __init__(self, cfg: ModelConfig, specs: dict[str, WeightSpec], mesh):
+        self.cfg, self.specs, self.mesh, self.tp = cfg, specs, mesh, tp_size(mesh)
+        self.targets = get_model_family(cfg.architecture).weight_specs(sharded_model_config(cfg, self.tp))
+
+    def parts(self, name: str):
+        return fused_parts(self.specs[name], self.cfg, self.tp)
+
+    def sharding(self, name: str):
+        return named_sharding(self.mesh, self.targets[name])
+
+    def from_host(self, name: str, array: np.ndarray, dtype: str) -> jax.Array:
+        """A logical-layout numpy weight -> its TP layout, each device receiving only its slice."""
+        parts = self.parts(name)
+        if parts:
+            array = to_tp_layout(array, parts, self.tp, self.cfg.head_dim)
+        np_dtype = jnp.dtype(dtype)
+        return jax.make_array_from_callback(array.shape, self.sharding(name),
+                                            lambda index: np.asarray(array[index]).astype(np_dtype))
 
 
 def detect_format(model_dir: str, is_preset: bool) -> str:
@@ -63,12 +105,22 @@ def detect_format(model_dir: str, is_preset: bool) -> str:
     )
 
 
-def dummy_params(specs: dict[str, WeightSpec], dtype: str, seed: int) -> dict[str, jax.Array]:
-    """Deterministic random weights: each tensor's key depends only on the seed and its name."""
+def dummy_params(specs: dict[str, WeightSpec], dtype: str, seed: int,
+                 layout: TensorParallelLayout | None = None) -> dict[str, jax.Array]:
+    """Deterministic random weights: each tensor's key depends only on the seed and its name.
+
+    Under TP each device generates only its shards (the partitionable threefry PRNG gives the same
+    values as one device), then fused weights are permuted into the TP layout on the devices."""
     base = jax.random.PRNGKey(seed)
     params = {}
     for name, spec in specs.items():
-        if spec.init == "ones":
+        if layout is not None:
+            key = jax.random.fold_in(base, zlib.crc32(name.encode()))
+            std = spec.shape[0] ** -0.5 if name != "embed" else 1.0
+            parts = tuple(layout.parts(name) or ())
+            params[name] = _sharded_init(spec.init, spec.shape, dtype, parts, layout.tp, layout.cfg.head_dim,
+                                         layout.sharding(name))(key, std)
+        elif spec.init == "ones":
             params[name] = jnp.ones(spec.shape, dtype)
         elif spec.init == "zeros":
             params[name] = jnp.zeros(spec.shape, dtype)
@@ -84,7 +136,24 @@ def _normal(key, shape, std, dtype):
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
 
-def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str) -> dict[str, jax.Array]:
+@functools.cache
+def _sharded_init(init, shape, dtype, parts, tp, head_dim, sharding):
+    """A program making one weight straight into its shards (one per distinct shape and layout)."""
+
+    def make(key, std):
+        if init == "ones":
+            x = jnp.ones(shape, dtype)
+        elif init == "zeros":
+            x = jnp.zeros(shape, dtype)
+        else:
+            x = (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+        return to_tp_layout(x, list(parts), tp, head_dim, xp=jnp) if parts else x
+
+    return jax.jit(make, out_shardings=sharding)
+
+
+def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
+                     layout: TensorParallelLayout | None = None) -> dict[str, jax.Array]:
     """Read, check, fuse and cast every tensor the specs name; unused checkpoint tensors are ignored."""
     files = _tensor_files(model_dir)
     handles: dict[str, object] = {}
@@ -109,7 +178,10 @@ def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str) -
                     )
                 parts.append(array.T if spec.transpose else array)
             array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
-            params[name] = jnp.asarray(array).astype(dtype)
+            if layout is not None:
+                params[name] = layout.from_host(name, array, dtype)
+            else:
+                params[name] = jnp.asarray(array).astype(dtype)
     finally:
         handles.clear()
     return params
@@ -135,8 +207,12 @@ def _tensor_files(model_dir: str) -> dict[str, str]:
     return mapping
 
 
-def load_orbax(path: str, specs: dict[str, WeightSpec], dtype: str) -> dict[str, jax.Array]:
-    """Restore params written by `save_orbax`, checked against the specs' shapes, cast to `dtype`."""
+def load_orbax(path: str, specs: dict[str, WeightSpec], dtype: str,
+               layout: TensorParallelLayout | None = None) -> dict[str, jax.Array]:
+    """Restore params written by `save_orbax`, checked against the specs' shapes, cast to `dtype`.
+
+    Under TP each device reads only its shards; fused weights (stored in the checkpoint's order) are
+    read split by rows, then permuted into the TP layout on the devices."""
     import orbax.checkpoint as ocp
 
     with ocp.StandardCheckpointer() as ckptr:
@@ -150,9 +226,31 @@ def load_orbax(path: str, specs: dict[str, WeightSpec], dtype: str) -> dict[str,
             shape = tuple(tree[name].shape)
             if shape != spec.shape:
                 raise ValueError(f"Orbax param {name!r} has shape {shape}, but config.json implies {spec.shape}")
-        target = {name: jax.ShapeDtypeStruct(spec.shape, tree[name].dtype) for name, spec in specs.items()}
+        target = {name: jax.ShapeDtypeStruct(spec.shape, tree[name].dtype,
+                                             sharding=_orbax_sharding(layout, name, spec))
+                  for name, spec in specs.items()}
         restored = ckptr.restore(path, target)
-    return {name: jnp.asarray(value).astype(dtype) for name, value in restored.items()}
+    if layout is None:
+        return {name: jnp.asarray(value).astype(dtype) for name, value in restored.items()}
+    params = {}
+    for name, value in restored.items():
+        parts = layout.parts(name)
+        if parts:
+            relayout = functools.partial(to_tp_layout, parts=parts, tp=layout.tp, head_dim=layout.cfg.head_dim, xp=jnp)
+            value = jax.jit(relayout, out_shardings=layout.sharding(name))(value)
+        params[name] = value.astype(dtype)
+    return params
+
+
+def _orbax_sharding(layout: TensorParallelLayout | None, name: str, spec: WeightSpec):
+    if layout is None:
+        return None
+    if not layout.parts(name):
+        return layout.sharding(name)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows = TP if len(spec.shape) == 2 and spec.shape[0] % layout.tp == 0 else None
+    return NamedSharding(layout.mesh, PartitionSpec(rows))
 
 
 def convert_to_orbax(model: str, out_dir: str, dtype: str | None = None, load_format: str = "auto") -> str:

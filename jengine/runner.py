@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jengine import kv_cache
+from jengine import kv_cache, sharding
 from jengine.buckets import shape_pairs
 from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
@@ -99,7 +99,7 @@ def unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> StepInput:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _forward(params, kv_caches, ints, floats, prev_ids, *, layout, cfg: ModelConfig):
+def _forward(params, kv_caches, ints, floats, prev_ids, *, layout, cfg: ModelConfig, mesh=None):
     """The model over one ragged batch: new K/V into the pages, logits of each sequence's last token.
 
     Tokens the host did not know yet (sampled by the step still running when this one was prepared)
@@ -111,7 +111,7 @@ def _forward(params, kv_caches, ints, floats, prev_ids, *, layout, cfg: ModelCon
     token_ids = jnp.where(known, inp.model.token_ids, prev_ids[jnp.maximum(inp.prev_token_index, 0)])
     model_input = dataclasses.replace(inp.model, token_ids=token_ids)
     family = get_model_family(cfg.architecture)
-    kv_caches, hidden = family.forward(params, cfg, model_input, kv_caches)  # hidden [T, H]
+    kv_caches, hidden = family.forward(params, cfg, model_input, kv_caches, mesh=mesh)  # hidden [T, H]
     return kv_caches, family.compute_logits(params, cfg, hidden[inp.logits_indices]), hidden
 
 
@@ -170,20 +170,34 @@ def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_p
 
 
 class ModelRunner:
-    """Owns the params, the KV cache and the compiled step; executes one StepInput at a time."""
+    """Owns the params, the KV cache and the compiled step; executes one StepInput at a time.
 
-    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, params: dict, num_pages: int, num_host_pages: int):
-        self.cfg, self.ecfg, self.params = cfg, ecfg, params
+    `mesh`: the tensor-parallel mesh (None: one device). `cfg` is then the model the devices hold
+    (`sharding.sharded_model_config`); params arrive sharded; the cache is split by KV heads, and
+    every program's output shardings are pinned so that no step sees a new input sharding (no recompiles).
+    """
+
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, params: dict, num_pages: int, num_host_pages: int,
+                 mesh=None):
+        self.cfg, self.ecfg, self.params, self.mesh = cfg, ecfg, params, mesh
         self.num_pages = num_pages
-        self.kv_caches = kv_cache.allocate(cfg, num_pages, ecfg.block_size, cfg.dtype)
+        cache_sharding = None if mesh is None else sharding.kv_cache_sharding(mesh)
+        self.kv_caches = kv_cache.allocate(cfg, num_pages, ecfg.block_size, cfg.dtype, cache_sharding)
         self.host_pool = kv_cache.HostPagePool(cfg, num_host_pages, ecfg.block_size, cfg.dtype)
         self.max_seqs = max(ecfg.seq_buckets)
         self.no_prev_ids = jnp.zeros((self.max_seqs,), jnp.int32)
-        self._forward = jax.jit(functools.partial(_forward, cfg=cfg), donate_argnums=(1,),
-                                static_argnames=("layout",))
+        fwd, smp, plp = {}, {}, {}
+        if mesh is not None:
+            rep = sharding.replicated(mesh)
+            self.no_prev_ids = jax.device_put(self.no_prev_ids, rep)
+            caches = [cache_sharding] * cfg.num_hidden_layers  # inputs are committed arrays or host numpy
+            fwd = dict(out_shardings=(caches, rep, rep))  # logits and hidden gathered onto every device
+            smp = plp = dict(out_shardings=rep)
+        self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1,),
+                                static_argnames=("layout",), **fwd)
         self._sample = jax.jit(functools.partial(_sample, max_seqs=self.max_seqs),
-                               static_argnames=("layout", "filters"))
-        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg))
+                               static_argnames=("layout", "filters"), **smp)
+        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (T, S) pair a step can be padded to: S sequences need at least S tokens."""

@@ -5,6 +5,9 @@ once in `weight_specs` with its shape, logical axes and the Hugging Face tensors
 random init, loading and sharding are all derived from that declaration.
 
 Q/K/V and gate/up are fused into one matmul each at load time (one weight read instead of three or two).
+Under tensor parallelism (`mesh`) the fused columns are in the shard-major layout of
+`jengine.sharding`, so the fused outputs are split per shard (`[T, tp, per_shard]`); tp = 1 is the
+checkpoint's order. Attention and the cache write run per KV-head shard.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import jax.numpy as jnp
 from jengine.config import ModelConfig
 from jengine.kernels_pallas.ragged_paged_attention import ragged_paged_attention, write_kv
 from jengine.models.common import ModelInput, WeightSpec, apply_rope, rms_norm, rope_inv_freq
+from jengine.sharding import per_head_shard, tp_size
 
 
 def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
@@ -61,35 +65,46 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
     return specs
 
 
-def _attention(params, prefix, cfg, x, inp: ModelInput, kv_cache, cos, sin):
-    num_tokens = x.shape[0]
+def _attention(params, prefix, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
+    num_tokens, tp = x.shape[0], tp_size(mesh)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hq_s, hkv_s = hq // tp, hkv // tp  # heads per shard
     qkv = x @ params[prefix + "qkv"]  # [T, (Hq + 2 Hkv) D]
     if cfg.attention_bias:
         qkv = qkv + params[prefix + "qkv_bias"]
-    q = qkv[:, : hq * d].reshape(num_tokens, hq, d)
-    k = qkv[:, hq * d : (hq + hkv) * d].reshape(num_tokens, hkv, d)
-    v = qkv[:, (hq + hkv) * d :].reshape(num_tokens, hkv, d)
+    qkv = qkv.reshape(num_tokens, tp, (hq_s + 2 * hkv_s) * d)  # [T, tp, per_shard]
+    q = qkv[:, :, : hq_s * d].reshape(num_tokens, hq, d)
+    k = qkv[:, :, hq_s * d : (hq_s + hkv_s) * d].reshape(num_tokens, hkv, d)
+    v = qkv[:, :, (hq_s + hkv_s) * d :].reshape(num_tokens, hkv, d)
     if cfg.qk_norm:
         q = rms_norm(q, params[prefix + "q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, params[prefix + "k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    kv_cache = write_kv(kv_cache, k, v, inp.slot_mapping)
-    out = ragged_paged_attention(
-        q, kv_cache, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs,
-        sm_scale=d**-0.5, sliding_window=cfg.sliding_window,
-    )  # [T, Hq, D]
+
+    def attend(kv_cache, q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
+        kv_cache = write_kv(kv_cache, k, v, slot_mapping)
+        out = ragged_paged_attention(
+            q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+            sm_scale=d**-0.5, sliding_window=cfg.sliding_window,
+        )  # [T, Hq, D]
+        return kv_cache, out
+
+    kv_cache, out = per_head_shard(attend, mesh, 4)(
+        kv_cache, q, k, v, inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
     return out.reshape(num_tokens, hq * d) @ params[prefix + "o"], kv_cache
 
 
-def _mlp(params, prefix, cfg, x):
-    gate_up = x @ params[prefix + "gate_up"]  # [T, 2I]
-    gate, up = gate_up[:, : cfg.intermediate_size], gate_up[:, cfg.intermediate_size :]
+def _mlp(params, prefix, cfg, x, tp):
+    inter = cfg.intermediate_size // tp
+    gate_up = (x @ params[prefix + "gate_up"]).reshape(x.shape[0], tp, 2 * inter)  # [T, tp, 2 I / tp]
+    gate = gate_up[:, :, :inter].reshape(x.shape[0], cfg.intermediate_size)
+    up = gate_up[:, :, inter:].reshape(x.shape[0], cfg.intermediate_size)
     return (jax.nn.silu(gate) * up) @ params[prefix + "down"]
 
 
-def forward(params: dict, cfg: ModelConfig, inp: ModelInput, kv_caches: list) -> tuple[list, jax.Array]:
-    """Run the decoder over a ragged batch of tokens.
+def forward(params: dict, cfg: ModelConfig, inp: ModelInput, kv_caches: list,
+            mesh=None) -> tuple[list, jax.Array]:
+    """Run the decoder over a ragged batch of tokens (`mesh`: the tensor-parallel mesh, None for one device).
 
     Returns the updated per-layer KV caches and the final-normed hidden states `[T, H]`.
     """
@@ -99,9 +114,10 @@ def forward(params: dict, cfg: ModelConfig, inp: ModelInput, kv_caches: list) ->
     for i in range(cfg.num_hidden_layers):
         prefix = f"layers.{i}."
         attn, cache = _attention(params, prefix, cfg, rms_norm(x, params[prefix + "input_norm"],
-                                                                cfg.rms_norm_eps), inp, kv_caches[i], cos, sin)
+                                                                cfg.rms_norm_eps), inp, kv_caches[i], cos, sin, mesh)
         x = x + attn
-        x = x + _mlp(params, prefix, cfg, rms_norm(x, params[prefix + "post_norm"], cfg.rms_norm_eps))
+        x = x + _mlp(params, prefix, cfg, rms_norm(x, params[prefix + "post_norm"], cfg.rms_norm_eps),
+                     tp_size(mesh))
         new_caches.append(cache)
     return new_caches, rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 

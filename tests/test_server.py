@@ -201,11 +201,11 @@ def test_a_client_gone_before_a_non_streamed_reply_aborts_its_request(server):
     assert _wait_idle(server)["jengine:kv_cache_usage_perc"] == 0
 
 
-def test_serve_cli_binds_loopback_by_default_and_rejects_tensor_parallelism():
+def test_serve_cli_binds_loopback_by_default_and_checks_tensor_parallel_size_against_devices():
     from jengine.cli import build_parser
 
     args = build_parser().parse_args(["serve", MODEL])
     assert (args.host, args.port, args.tensor_parallel_size) == ("127.0.0.1", 8000, 1)
-    args = build_parser().parse_args(["serve", MODEL, "--tensor-parallel-size", "2"])
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
+    args = build_parser().parse_args(["serve", MODEL, "--tensor-parallel-size", "2"])  # this process has 1 device
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the number of devices \(1\)"):
         args.func(args)

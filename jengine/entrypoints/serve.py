@@ -37,7 +37,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JENGINE_API_KEY if set)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported for now")
     p.add_argument("--token-buckets", type=_int_list, default=None,
                    help="comma-separated token-count buckets to compile (default: derived)")
     p.add_argument("--seq-buckets", type=_int_list, default=None,
@@ -50,8 +49,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    if args.tensor_parallel_size != 1:
-        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} is not supported yet; only 1 is")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     import uvicorn

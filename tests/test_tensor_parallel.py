@@ -1,0 +1,164 @@
+"""Tensor parallelism on 8 fake CPU devices: TP = 2, 4, 8 generate what TP = 1 generates.
+
+The device count must be set before jax starts, so the engines run in one child process (this file
+run as a script with XLA_FLAGS) that prints its findings as JSON; the rest of the suite keeps its
+single device. Fixtures: the HF checkpoint `llama3_tied` (8 query heads, 1 KV head: replicated at
+every tp > 1; tied embedding split by vocabulary) from safetensors and from Orbax, and the
+`tiny-llama` preset (8 query heads, 2 KV heads) with dummy weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jengine.config import ModelConfig
+from jengine.engine_config import EngineConfig
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models", "llama3_tied")
+LLAMA4HEADS = os.path.join(os.path.dirname(FIXTURE), "llama")
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 31))]
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32),
+              seq_buckets=(4,), compilation_cache_dir=None, use_tqdm_on_load=False)
+RUNS = [  # (name, model, load_format, tp)
+    ("st", FIXTURE, "safetensors", 1), ("st", FIXTURE, "safetensors", 2), ("st", FIXTURE, "safetensors", 4),
+    ("st", FIXTURE, "safetensors", 8), ("orbax", None, "orbax", 8),
+    ("dummy", "jengine/tiny-llama", "dummy", 1), ("dummy", "jengine/tiny-llama", "dummy", 4),
+]
+
+
+def _child(out_dir: str) -> dict:
+    """Runs in the child process with 8 devices: every run of RUNS, reported as plain data."""
+    import jax
+
+    from jengine import LLM, SamplingParams
+    from jengine.loader import convert_to_orbax
+
+    assert jax.device_count() == 8
+    orbax_dir = convert_to_orbax(FIXTURE, os.path.join(out_dir, "orbax"), dtype="float32")
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _d, **_kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    report = {}
+    for name, model, load_format, tp in RUNS:
+        llm = LLM(model or orbax_dir, load_format=load_format, tensor_parallel_size=tp, **ENGINE)
+        compiles.clear()
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        runner = llm.engine.runner
+
+        def spec(a, tp=tp):
+            return [list(p) if isinstance(p, tuple) else p for p in a.sharding.spec] if tp > 1 else None
+
+        report[f"{name}/{tp}"] = dict(
+            tokens=[o.outputs[0].token_ids for o in outs],
+            logprobs=[[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs],
+            prompt_logprobs=[[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])]
+                             for o, p in zip(outs, PROMPTS)],
+            shapes={k: list(v.shape) for k, v in runner.params.items()},
+            param_specs={k: spec(v) for k, v in runner.params.items()},
+            shard_shapes={k: sorted({tuple(s.data.shape) for s in v.addressable_shards})
+                          for k, v in runner.params.items()},
+            devices={k: len(v.sharding.device_set) for k, v in runner.params.items()},
+            cache_specs=[spec(c) for c in runner.kv_caches],
+            cache_shape=list(runner.kv_caches[0].shape),
+            cache_shard_shapes=sorted({tuple(s.data.shape) for s in runner.kv_caches[0].addressable_shards}),
+            compiles_after_warmup=len(compiles),
+            logits_shape=_logits_shape(runner),
+        )
+    return report
+
+
+def _logits_shape(runner) -> list[int]:
+    """The shape of a (padding-only) step's logits, as the sampler receives them."""
+    import dataclasses
+
+    from jengine.runner import pack
+
+    ints, floats, layout = pack(dataclasses.replace(runner.dummy_input(8, 4), sampling=None))
+    runner.kv_caches, logits, _ = runner._forward(runner.params, runner.kv_caches, ints, floats, runner.no_prev_ids,
+                                                  layout=layout)
+    return list(logits.shape)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("tp"))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__, out_dir], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_greedy_tokens_of_tp_equal_tp1_from_safetensors(report, tp):
+    assert report[f"st/{tp}"]["tokens"] == report["st/1"]["tokens"]
+
+
+def test_greedy_tokens_of_tp8_from_orbax_and_tp4_dummy_equal_tp1(report):
+    assert report["orbax/8"]["tokens"] == report["st/1"]["tokens"]
+    assert report["dummy/4"]["tokens"] == report["dummy/1"]["tokens"]
+
+
+@pytest.mark.parametrize("run", ["st/2", "st/4", "st/8", "orbax/8", "dummy/4"])
+def test_logprobs_of_tp_match_tp1_within_tolerance(report, run):
+    base = report[run.split("/")[0].replace("orbax", "st") + "/1"]
+    for key in ("logprobs", "prompt_logprobs"):
+        for got, want in zip(report[run][key], base[key]):
+            assert got == pytest.approx(want, abs=2e-4), key
+
+
+def test_step_outputs_have_the_shapes_of_tp1(report):
+    for run in ("st/2", "st/4", "st/8"):
+        assert report[run]["logits_shape"] == report["st/1"]["logits_shape"] == [4, 320]
+
+
+def test_nothing_compiles_after_warmup(report):
+    assert all(r["compiles_after_warmup"] == 0 for r in report.values()), {
+        k: r["compiles_after_warmup"] for k, r in report.items()}
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_every_weight_is_sharded_by_its_logical_axes(report, tp):
+    r = report[f"st/{tp}"]
+    q, d, hidden, inter, vocab = 8, 16, 128, 192, 320
+    kv = tp  # 1 KV head, replicated to one per shard
+    for name, spec in r["param_specs"].items():
+        assert r["devices"][name] == tp
+        kind = name.split(".")[-1]
+        want = {"embed": ["tp", None], "qkv": [None, "tp"], "o": ["tp", None], "gate_up": [None, "tp"],
+                "down": ["tp", None]}.get(kind, [None])
+        assert spec == want, name
+    assert r["shapes"]["layers.0.qkv"] == [hidden, (q + 2 * kv) * d]
+    assert r["shard_shapes"]["layers.0.qkv"] == [[hidden, (q + 2 * kv) * d // tp]]
+    assert r["shard_shapes"]["layers.0.gate_up"] == [[hidden, 2 * inter // tp]]
+    assert r["shard_shapes"]["layers.1.down"] == [[inter // tp, hidden]]
+    assert r["shard_shapes"]["embed"] == [[vocab // tp, hidden]]
+    assert r["shard_shapes"]["final_norm"] == [[hidden]]
+
+
+@pytest.mark.parametrize("run,kv_heads", [("st/2", 2), ("st/8", 8), ("dummy/4", 4), ("orbax/8", 8)])
+def test_kv_cache_is_split_by_kv_heads_with_one_head_set_per_shard(report, run, kv_heads):
+    r = report[run]
+    assert all(spec == [None, "tp"] for spec in r["cache_specs"])
+    assert r["cache_shape"][1] == kv_heads
+    tp = int(run.split("/")[1])
+    assert r["cache_shard_shapes"] == [[2, kv_heads // tp] + r["cache_shape"][2:]]
+
+
+def test_tensor_parallel_size_is_validated_against_devices_and_heads():
+    cfg = ModelConfig.from_model_dir(LLAMA4HEADS)  # 4 query heads
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the number of devices \(8\)"):
+        EngineConfig(model=LLAMA4HEADS, tensor_parallel_size=3).resolve(cfg, "cpu", num_devices=8)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=8 must divide the number of query heads \(4\)"):
+        EngineConfig(model=LLAMA4HEADS, tensor_parallel_size=8).resolve(cfg, "cpu", num_devices=8)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(model=LLAMA4HEADS, tensor_parallel_size=0)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(sys.argv[1])))
