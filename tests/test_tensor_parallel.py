@@ -70,6 +70,16 @@ def _child(out_dir: str) -> dict:
             compiles_after_warmup=len(compiles),
             logits_shape=_logits_shape(runner),
         )
+    for tp in (1, 2):  # a pool small enough to preempt by swapping; n=2 shares pages (copy-on-write)
+        llm = LLM("jengine/tiny-llama", load_format="dummy", tensor_parallel_size=tp, preemption_mode="swap",
+                  swap_space=0.05, num_gpu_blocks_override=12, **{**ENGINE, "max_model_len": 128})
+        compiles.clear()
+        shared = list(range(100, 140))
+        prompts = [shared + list(range(i, i + 5 + 3 * i)) for i in range(8)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2),
+                            use_tqdm=False)
+        report[f"swap/{tp}"] = dict(tokens=[[c.token_ids for c in o.outputs] for o in outs],
+                                    preemptions=llm.engine.stats["preemptions"], compiles_after_warmup=len(compiles))
     return report
 
 
@@ -110,6 +120,11 @@ def test_logprobs_of_tp_match_tp1_within_tolerance(report, run):
     for key in ("logprobs", "prompt_logprobs"):
         for got, want in zip(report[run][key], base[key]):
             assert got == pytest.approx(want, abs=2e-4), key
+
+
+def test_tp2_swapping_and_copy_on_write_pages_generate_what_tp1_does(report):
+    assert report["swap/2"]["preemptions"] > 0
+    assert report["swap/2"]["tokens"] == report["swap/1"]["tokens"]
 
 
 def test_step_outputs_have_the_shapes_of_tp1(report):
@@ -158,6 +173,14 @@ def test_tensor_parallel_size_is_validated_against_devices_and_heads():
         EngineConfig(model=LLAMA4HEADS, tensor_parallel_size=8).resolve(cfg, "cpu", num_devices=8)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(model=LLAMA4HEADS, tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_passes_tensor_parallel_size_to_the_engine(command):
+    from jengine.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args([command, "jengine/tiny-llama", "--tensor-parallel-size", "4"])
+    assert engine_kwargs(args)["tensor_parallel_size"] == 4
 
 
 if __name__ == "__main__":
