@@ -39,7 +39,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _generate(args: argparse.Namespace) -> int:
     from jengine import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, data_parallel_size=args.data_parallel_size, **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     prompts = args.prompt or ["Hello, my name is", "The capital of France is", "JAX compiles"]
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"HF model directory, Orbax directory or preset (default {DEFAULT_MODEL})")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="engine replicas, each on its own --tensor-parallel-size devices")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)

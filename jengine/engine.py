@@ -58,13 +58,17 @@ class _Group:
 class LLMEngine:
     """Owns the model runner, the scheduler and the tokenizer; turns requests into outputs."""
 
-    def __init__(self, config: EngineConfig, *, warmup: bool = True, progress: bool = True):
+    def __init__(self, config: EngineConfig, *, warmup: bool = True, progress: bool = True, devices=None):
+        """`devices`: the device group of this engine (a data-parallel replica); default all devices."""
         t0 = time.perf_counter()
         if config.compilation_cache_dir:
             _enable_compilation_cache(config.compilation_cache_dir)
         tp = config.tensor_parallel_size
+        if config.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: one LLMEngine is one replica; "
+                             "replicas run behind LLM(...) (jengine.data_parallel), not yet behind the server")
         config.check_tensor_parallel(None, jax.device_count())
-        mesh = make_mesh(tp)
+        mesh = make_mesh(tp, devices)
         self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
                                                seed=config.seed, mesh=mesh)
         self.config = config.resolve(self.model_config, jax.default_backend(), jax.device_count())
@@ -166,6 +170,9 @@ class LLMEngine:
         for child in group.children:
             self.scheduler.abort(child.request.request_id)
             self._child_to_group.pop(child.request.request_id, None)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self._inflight is not None

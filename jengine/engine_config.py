@@ -34,6 +34,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     tensor_parallel_size: int = 1  # devices one model is split over (heads, MLP columns, vocabulary)
+    data_parallel_size: int = 1  # independent engine replicas, each on its own tensor_parallel_size devices
 
     def __post_init__(self):
         def positive_int(name, value, allow_none=True):
@@ -47,6 +48,7 @@ class EngineConfig:
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
         positive_int("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
+        positive_int("data_parallel_size", self.data_parallel_size, allow_none=False)
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -103,10 +105,14 @@ class EngineConfig:
                                    token_buckets=token_buckets, seq_buckets=seq_buckets)
 
     def check_tensor_parallel(self, model_cfg: ModelConfig | None, num_devices: int | None) -> None:
-        """tensor_parallel_size must divide the device count and the model's query heads."""
-        tp = self.tensor_parallel_size
+        """tensor_parallel_size must divide the device count and the model's query heads; the replicas
+        (data_parallel_size of them, tensor_parallel_size devices each) must fit on the devices."""
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
         if num_devices is not None and num_devices % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the number of devices ({num_devices})")
+        if num_devices is not None and dp * tp > num_devices:
+            raise ValueError(f"data_parallel_size={dp} replicas of tensor_parallel_size={tp} devices need {dp * tp} "
+                             f"devices; there are {num_devices}")
         if model_cfg is not None and model_cfg.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the number of query heads "
                              f"({model_cfg.num_attention_heads})")

@@ -28,7 +28,13 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM argument(s) {unknown}; allowed: {sorted(fields - {'model'})}")
         progress = use_tqdm_on_load
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), progress=progress)
+        config = EngineConfig(model=model, **engine_args)
+        if config.data_parallel_size > 1:  # replicas on disjoint device groups, requests balanced across them
+            from jengine.data_parallel import DataParallelEngine
+
+            self.engine = DataParallelEngine(config, progress=progress)
+        else:
+            self.engine = LLMEngine(config, progress=progress)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -57,13 +57,15 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
 
 
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
-    """A one-axis `("tp",)` mesh over the first tp devices; None for tp = 1 (the single-device path)."""
+    """A one-axis `("tp",)` mesh over the first tp of `devices` (default: all). None for tp = 1 without
+    explicit devices (the single-device path); a data-parallel replica passes its device group."""
+    explicit = devices is not None
     devices = list(jax.devices() if devices is None else devices)
     tp = tensor_parallel_size
     if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0 or len(devices) % tp:
         raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer dividing the number of "
                          f"devices ({len(devices)})")
-    if tp == 1:
+    if tp == 1 and not explicit:
         return None
     return Mesh(np.array(devices[:tp]), (TP,))
 

@@ -4,7 +4,8 @@ The device count must be set before jax starts, so the engines run in one child 
 run as a script with XLA_FLAGS) that prints its findings as JSON; the rest of the suite keeps its
 single device. Fixtures: the HF checkpoint `llama3_tied` (8 query heads, 1 KV head: replicated at
 every tp > 1; tied embedding split by vocabulary) from safetensors and from Orbax, and the
-`tiny-llama` preset (8 query heads, 2 KV heads) with dummy weights.
+`tiny-llama` preset (8 query heads, 2 KV heads) with dummy weights. Data-parallel replicas
+(`LLM(data_parallel_size=2)`) are checked in the same child.
 """
 
 from __future__ import annotations
@@ -70,6 +71,15 @@ def _child(out_dir: str) -> dict:
             compiles_after_warmup=len(compiles),
             logits_shape=_logits_shape(runner),
         )
+    for dp, tp in ((2, 1), (2, 2)):  # data-parallel replicas on disjoint device groups
+        llm = LLM(FIXTURE, load_format="safetensors", data_parallel_size=dp, tensor_parallel_size=tp, **ENGINE)
+        compiles.clear()
+        outs = llm.generate(PROMPTS + PROMPTS[:1], params, use_tqdm=False)
+        report[f"dp{dp}/{tp}"] = dict(
+            tokens=[o.outputs[0].token_ids for o in outs[:-1]], last=outs[-1].outputs[0].token_ids,
+            devices=[sorted(d.id for p in r.runner.params.values() for d in p.sharding.device_set)
+                     for r in llm.engine.replicas],
+            steps=[r.stats["steps"] for r in llm.engine.replicas], compiles_after_warmup=len(compiles))
     for tp in (1, 2):  # a pool small enough to preempt by swapping; n=2 shares pages (copy-on-write)
         llm = LLM("jengine/tiny-llama", load_format="dummy", tensor_parallel_size=tp, preemption_mode="swap",
                   swap_space=0.05, num_gpu_blocks_override=12, **{**ENGINE, "max_model_len": 128})
@@ -127,6 +137,14 @@ def test_tp2_swapping_and_copy_on_write_pages_generate_what_tp1_does(report):
     assert report["swap/2"]["tokens"] == report["swap/1"]["tokens"]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_data_parallel_replicas_on_disjoint_devices_generate_what_one_engine_does(report, tp):
+    r = report[f"dp2/{tp}"]
+    assert r["tokens"] == report["st/1"]["tokens"] and r["last"] == report["st/1"]["tokens"][0]
+    assert [sorted(set(d)) for d in r["devices"]] == [list(range(tp)), list(range(tp, 2 * tp))]
+    assert all(steps > 0 for steps in r["steps"])  # both replicas got requests
+
+
 def test_step_outputs_have_the_shapes_of_tp1(report):
     for run in ("st/2", "st/4", "st/8"):
         assert report[run]["logits_shape"] == report["st/1"]["logits_shape"] == [4, 320]
@@ -171,6 +189,8 @@ def test_tensor_parallel_size_is_validated_against_devices_and_heads():
         EngineConfig(model=LLAMA4HEADS, tensor_parallel_size=3).resolve(cfg, "cpu", num_devices=8)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=8 must divide the number of query heads \(4\)"):
         EngineConfig(model=LLAMA4HEADS, tensor_parallel_size=8).resolve(cfg, "cpu", num_devices=8)
+    with pytest.raises(ValueError, match=r"data_parallel_size=4 replicas of tensor_parallel_size=4 devices need 16"):
+        EngineConfig(model=LLAMA4HEADS, tensor_parallel_size=4, data_parallel_size=4).resolve(cfg, "cpu", 8)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(model=LLAMA4HEADS, tensor_parallel_size=0)
 
