@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from jengine.presets import DEFAULT_MODEL
@@ -37,6 +38,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from jengine import distributed
+
+    def flag_or_env(value, name, kind=str):  # multi-host settings: flags first, else the environment
+        return value if value is not None else (kind(os.environ[name]) if os.environ.get(name) else None)
+
+    distributed.initialize(flag_or_env(args.coordinator_address, "JENGINE_COORDINATOR_ADDRESS"),
+                           flag_or_env(args.num_processes, "JENGINE_NUM_PROCESSES", int),
+                           flag_or_env(args.process_id, "JENGINE_PROCESS_ID", int))
     from jengine import LLM, SamplingParams
 
     llm = LLM(args.model, data_parallel_size=args.data_parallel_size, **engine_kwargs(args))
@@ -44,6 +53,8 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     prompts = args.prompt or ["Hello, my name is", "The capital of France is", "JAX compiles"]
     outputs = llm.generate(prompts, params)
+    if not distributed.is_main_process():  # every process computed the same; one reports
+        return 0
     for out in outputs:
         completion = out.outputs[0]
         print(json.dumps({"prompt": out.prompt, "text": completion.text, "token_ids": completion.token_ids,
@@ -75,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                      help="engine replicas, each on its own --tensor-parallel-size devices")
+    gen.add_argument("--coordinator-address", default=None,
+                     help="multi-host: host:port of process 0 (default $JENGINE_COORDINATOR_ADDRESS)")
+    gen.add_argument("--num-processes", type=int, default=None, help="multi-host: processes (hosts) in the run")
+    gen.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)

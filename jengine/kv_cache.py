@@ -40,7 +40,7 @@ def num_device_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, device=None, t
     holds 1/tp of every page."""
     if ecfg.num_gpu_blocks_override:
         return ecfg.num_gpu_blocks_override
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         budget = int(stats["bytes_limit"] * ecfg.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
