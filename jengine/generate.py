@@ -10,19 +10,18 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jengine.config import ModelConfig
-from jengine.kernels_pallas.ragged_paged_attention import kv_cache_shape
+from jengine.kv_cache import allocate
 from jengine.models import ModelInput, get_model_family
+from jengine.runner import build_step_input
 
 PAGE_SIZE = 16
 
 
-def make_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE, dtype=None) -> list:
-    shape = kv_cache_shape(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-    return [jnp.zeros(shape, dtype or cfg.dtype) for _ in range(cfg.num_hidden_layers)]
+def _caches(cfg: ModelConfig, num_pages: int) -> list:
+    return allocate(cfg, num_pages, PAGE_SIZE, cfg.dtype)
 
 
 def _bucket(n: int) -> int:
@@ -31,25 +30,10 @@ def _bucket(n: int) -> int:
 
 
 def _sequence_input(token_ids, start: int, num_pages: int) -> ModelInput:
-    """ModelInput for tokens at positions start.. of one sequence owning pages 0..num_pages-1,
+    """The engine's input builder for one sequence at positions start.. owning pages 0..num_pages-1,
     padded to a power-of-two token count (padding tokens write nowhere)."""
-    n = len(token_ids)
-    padded = _bucket(n)
-    positions = np.zeros(padded, np.int32)
-    positions[:n] = np.arange(start, start + n, dtype=np.int32)
-    slots = np.full(padded, -1, np.int32)
-    slots[:n] = positions[:n]
-    ids = np.zeros(padded, np.int32)
-    ids[:n] = token_ids
-    return ModelInput(
-        token_ids=ids,
-        positions=positions,
-        slot_mapping=slots,
-        cu_q_lens=np.array([0, n], np.int32),
-        kv_lens=np.array([start + n], np.int32),
-        page_indices=np.arange(num_pages, dtype=np.int32)[None, :],
-        num_seqs=np.array([1], np.int32),
-    )
+    row = (list(token_ids), start, list(range(num_pages)), -1, None)
+    return build_step_input([row], _bucket(len(token_ids)), 1, num_pages, PAGE_SIZE, sampling=None).model
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("kv_caches",))
@@ -75,7 +59,7 @@ def hidden_states(cfg: ModelConfig, params: dict, token_ids) -> np.ndarray:
     """Final-normed hidden states `[len, H]` (f32) of one sequence, with its own scratch cache."""
     ids = _check_ids(cfg, token_ids)
     num_pages = _bucket(len(ids)) // PAGE_SIZE
-    hidden = _hidden(params, make_kv_caches(cfg, num_pages), _sequence_input(ids, 0, num_pages), cfg=cfg)
+    hidden = _hidden(params, _caches(cfg, num_pages), _sequence_input(ids, 0, num_pages), cfg=cfg)
     return np.asarray(hidden, np.float32)[: len(ids)]
 
 
@@ -93,7 +77,7 @@ def prompt_logits(cfg: ModelConfig, params: dict, token_ids) -> np.ndarray:
     """f32 logits `[len, V]` of every position of one prompt."""
     ids = _check_ids(cfg, token_ids)
     num_pages = _bucket(len(ids)) // PAGE_SIZE
-    _, logits = _step(params, make_kv_caches(cfg, num_pages), _sequence_input(ids, 0, num_pages),
+    _, logits = _step(params, _caches(cfg, num_pages), _sequence_input(ids, 0, num_pages),
                       cfg=cfg, all_logits=True)
     return np.asarray(logits)[: len(ids)]
 
@@ -105,7 +89,7 @@ def greedy_generate(cfg: ModelConfig, params: dict, token_ids, max_new_tokens: i
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     num_pages = _bucket(len(ids) + max_new_tokens) // PAGE_SIZE
-    caches = make_kv_caches(cfg, num_pages)
+    caches = _caches(cfg, num_pages)
     caches, logits = _step(params, caches, _sequence_input(ids, 0, num_pages), cfg=cfg, all_logits=False)
     out = []
     while True:
