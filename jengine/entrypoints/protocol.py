@@ -105,14 +105,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise ValueError("prompt must not be empty")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+        return _as_prompt_list(self.prompt, "prompt")
 
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
@@ -188,14 +181,7 @@ class EmbeddingRequest(_Body):
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
-        x = self.input
-        if isinstance(x, str):
-            return [x]
-        if not x:
-            raise ValueError("input must not be empty")
-        if all(isinstance(t, int) for t in x):
-            return [list(x)]
-        return list(x)
+        return _as_prompt_list(self.input, "input")
 
 
 def check_fits_engine(params: SamplingParams, vocab_size: int, eos_token_ids, max_num_seqs: int) -> None:
@@ -210,3 +196,14 @@ def check_fits_engine(params: SamplingParams, vocab_size: int, eos_token_ids, ma
     if len(entries) > DEFAULT_MAX_BIAS_ENTRIES:
         raise ValueError(f"logit_bias and stop_token_ids together may name at most "
                          f"{DEFAULT_MAX_BIAS_ENTRIES} tokens, got {len(entries)}")
+
+
+def _as_prompt_list(value, field: str) -> list[str | list[int]]:
+    """OpenAI's prompt forms (a string, token ids, or a list of either) as a list of prompts."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise ValueError(f"{field} must not be empty")
+    if all(isinstance(t, int) for t in value):
+        return [list(value)]
+    return list(value)
