@@ -51,7 +51,6 @@ class _Group:
     prompt_token_ids: list[int]
     params: SamplingParams
     children: list[_Child]
-    arrival_time: float
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position; [0] is None
 
 
@@ -127,6 +126,8 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         self._check_token_params(params)
         text, ids = self.tokenize_prompt(prompt)
         if params.stop and self.tokenizer is None:
@@ -144,7 +145,7 @@ class LLMEngine:
                                    [] if params.logprobs is not None else None))
             self._rng_counter += 1
             self._child_to_group[child_id] = request_id
-        group = _Group(request_id, text, ids, params, children, arrival)
+        group = _Group(request_id, text, ids, params, children)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
             children[0].request.skip_prefix_cache = True  # every prompt position must be computed
@@ -228,7 +229,7 @@ class LLMEngine:
         """Read a launched step's results, apply them to the requests, and build their outputs."""
         t0 = time.perf_counter()
         result = to_host(pending[0])
-        if any(self._prompt_targets(e) is not None for e in sched.scheduled):
+        if pending[1] is not None:  # this step computed prompt logprobs
             self._record_prompt_logprobs(sched, to_host(pending[1]))
         t1 = time.perf_counter()
         finished = {r.request_id for r in self.scheduler.resolve(sched, result.next_ids.tolist())}

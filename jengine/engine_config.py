@@ -51,6 +51,12 @@ class EngineConfig:
         positive_int("data_parallel_size", self.data_parallel_size, allow_none=False)
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
+        for name in ("gpu_memory_utilization", "swap_space"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
+            raise ValueError(f"compilation_cache_dir must be a path or None, got {self.compilation_cache_dir!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.swap_space < 0:

@@ -193,3 +193,13 @@ def test_beam_search_with_width_one_is_greedy_and_wider_beams_score_no_worse(llm
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=4)
     _assert_no_leak(llm)
+
+
+def test_engine_arguments_of_the_wrong_type_are_named(llm):
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate([[1, 2]], GREEDY16, priority=["high"], use_tqdm=False)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(FIXTURE, gpu_memory_utilization="most")
+    with pytest.raises(ValueError, match="swap_space"):
+        LLM(FIXTURE, swap_space="4GB")
+    _assert_no_leak(llm)
