@@ -1,0 +1,161 @@
+"""Where a decode step's device time goes, from a `jax.profiler` trace of back-to-back steps.
+
+    python benchmarks/profile_step.py --batch-sizes 1 64 --context 256 --steps 10
+
+For each batch size: B decode rows at `--context` tokens are padded to the smallest token bucket
+that holds them; the step is launched back to back as the engine does (`ModelRunner.execute`), timed,
+then traced. The trace's GPU kernels are summed per category (matmul, attention, K/V write, other
+fusions, copies) and the idle time between kernels is reported: what a step costs beyond its kernels.
+Run it under different `XLA_FLAGS` to compare compiler settings on the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+from common import H200_COPY_BW, streamed_weight_bytes, write_json
+
+from jengine.engine import LLMEngine
+from jengine.engine_config import EngineConfig
+from jengine.runner import build_step_input
+from jengine.sampler import build_sampling_tensors
+from jengine.sampling_params import SamplingParams
+
+CATEGORIES = (  # first match wins
+    ("attention", re.compile(r"ragged_paged_attention|paged_attention", re.I)),
+    ("kv write", re.compile(r"scatter", re.I)),
+    ("matmul", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|sm90_|sm80_|splitk|dot", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other fusions"
+
+
+def decode_input(engine: LLMEngine, batch: int, context: int, num_tokens: int):
+    cfg = engine.model_config
+    pages = context // engine.config.block_size + 1
+    rng = np.random.default_rng(batch)
+    rows = [([int(rng.integers(1000))], context, list(range(1 + i * pages, 1 + (i + 1) * pages)), -1, None)
+            for i in range(batch)]
+    seqs = min(s for s in engine.config.seq_buckets if s >= batch)
+    sampling = build_sampling_tensors([(SamplingParams(temperature=0), [1], [])] * batch, seqs, cfg.vocab_size)
+    return build_step_input(rows, num_tokens, seqs, engine.config.pages_per_seq, engine.config.block_size, sampling)
+
+
+def run_steps(runner, inp, n: int) -> None:
+    """n steps back to back, each feeding the previous one's ids, as the engine's asynchronous loop."""
+    prev = None
+    out = None
+    for _ in range(n):
+        out, prev = runner.execute(inp, prev)
+    jax.block_until_ready((out, prev))
+
+
+def kernel_events(trace_dir: str):
+    """(name, start_ns, duration_ns) of every kernel/copy on the device's stream lines."""
+    from jax.profiler import ProfileData
+
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    data = ProfileData.from_file(path)
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.lower().startswith("stream"):
+                continue
+            events.extend((ev.name, ev.start_ns, ev.duration_ns) for ev in line.events)
+    return events
+
+
+def summarise(events, steps: int) -> dict:
+    per_cat = collections.defaultdict(float)
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    for name, _, dur in events:
+        per_cat[category(name)] += dur
+        per_kernel[name][0] += dur
+        per_kernel[name][1] += 1
+    intervals = sorted((s, s + d) for _, s, d in events)
+    busy, end = 0.0, -1.0
+    for s, e in intervals:
+        if e <= end:
+            continue
+        busy += e - max(s, end)
+        end = e
+    span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
+    to_ms = lambda ns: ns / 1e6 / steps  # noqa: E731
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:20]
+    return {
+        "kernels_per_step": len(events) / steps,
+        "span_ms": to_ms(span), "busy_ms": to_ms(busy), "idle_ms": to_ms(span - busy),
+        "categories_ms": {k: to_ms(v) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n[:110], "ms_per_step": to_ms(t), "calls_per_step": c / steps,
+                         "us_per_call": t / c / 1e3} for n, (t, c) in top],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="jengine/llama-3.1-8b")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--token-buckets", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--steps", type=int, default=10, help="steps traced (and 3x as many timed)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
+    parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default flags"))
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    seqs = tuple(sorted(set(args.batch_sizes)))
+    buckets = tuple(sorted(args.token_buckets))
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=max(1024, 2 * args.context),
+                                    max_num_seqs=max(seqs), max_num_batched_tokens=max(buckets),
+                                    token_buckets=buckets, seq_buckets=seqs,
+                                    gpu_memory_utilization=args.gpu_memory_utilization), progress=False)
+    print(f"[{args.label}] start-up {time.perf_counter() - t0:.1f} s")
+    bound_ms = 1e3 * streamed_weight_bytes(engine.runner.params) / H200_COPY_BW
+    results = []
+    for b in args.batch_sizes:
+        t = min(x for x in buckets if x >= b)
+        inp = decode_input(engine, b, args.context, t)
+        run_steps(engine.runner, inp, 3)
+        times = []
+        for _ in range(3):
+            t1 = time.perf_counter()
+            run_steps(engine.runner, inp, args.steps)
+            times.append((time.perf_counter() - t1) * 1e3 / args.steps)
+        step_ms = statistics.median(times)
+        trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="jengine_trace_")
+        jax.profiler.start_trace(trace_dir)
+        run_steps(engine.runner, inp, args.steps)
+        jax.profiler.stop_trace()
+        summary = summarise(kernel_events(trace_dir), args.steps)
+        summary.update(batch=b, tokens=t, step_ms=step_ms, weight_bound_ms=bound_ms)
+        results.append(summary)
+        cats = ", ".join(f"{k} {v:.3f}" for k, v in summary["categories_ms"].items())
+        print(f"[{args.label}] B={b} T={t}: {step_ms:.3f} ms/step back to back (weights bound {bound_ms:.2f}); "
+              f"traced: span {summary['span_ms']:.3f}, kernels busy {summary['busy_ms']:.3f}, idle "
+              f"{summary['idle_ms']:.3f} ms/step, {summary['kernels_per_step']:.0f} kernels/step; {cats}")
+        for k in summary["top_kernels"][:12]:
+            print(f"    {k['ms_per_step']:7.3f} ms/step {k['calls_per_step']:6.1f}x {k['us_per_call']:8.1f} us  "
+                  f"{k['name']}")
+    write_json(args.output_json, {"args": vars(args), "results": results})
+
+
+if __name__ == "__main__":
+    main()
