@@ -61,7 +61,7 @@ def run_steps(runner, inp, n: int) -> None:
     prev = None
     out = None
     for _ in range(n):
-        out, prev = runner.execute(inp, prev)
+        out, prev = runner.execute(inp, prev, top_logprobs=False)
     jax.block_until_ready((out, prev))
 
 

@@ -202,7 +202,8 @@ class LLMEngine:
             t1 = clock()
             inp = self._step_input(sched, inflight[0] if inflight else None)
             t2 = clock()
-            launched = (sched, *self.runner.execute(inp, inflight[2] if inflight else None))
+            top = any(e.request.sampling_params.logprobs is not None for e in sched.scheduled)
+            launched = (sched, *self.runner.execute(inp, inflight[2] if inflight else None, top_logprobs=top))
             self.timings["prepare"] += t2 - t1
             self.timings["launch"] += clock() - t2
             self.stats["steps"] += 1

@@ -7,8 +7,10 @@ donated, so XLA updates it in place. Every (tokens, sequences) bucket is compile
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -115,11 +117,16 @@ def _forward(params, kv_caches, ints, floats, prev_ids, *, layout, cfg: ModelCon
     return kv_caches, family.compute_logits(params, cfg, hidden[inp.logits_indices]), hidden
 
 
-def _sample(logits, ints, floats, *, layout, filters: bool, max_seqs: int):
-    """Sampling as its own program per (S, filters): the host knows whether any row uses top-k/top-p,
-    so no data-dependent branch is needed. Also returns the ids padded to `[max_seqs]`, which the
-    next step reads as its `prev_ids`."""
-    out = sample(logits, unpack(ints, floats, layout), filters=filters)
+# (filters, random) pairs a batch can need: top-k/top-p filters only come with non-greedy rows.
+SAMPLER_VARIANTS = tuple((f, r, top) for f, r in ((False, False), (False, True), (True, True))
+                         for top in (False, True))
+
+
+def _sample(logits, ints, floats, *, layout, filters: bool, random: bool, top_logprobs: bool, max_seqs: int):
+    """Sampling as its own program per (S, filters, random, top_logprobs): the host knows which of
+    top-k/top-p, random draws and top logprobs the batch needs, so no data-dependent branch is needed.
+    Also returns the ids padded to `[max_seqs]`, which the next step reads as its `prev_ids`."""
+    out = sample(logits, unpack(ints, floats, layout), filters=filters, random=random, top_logprobs=top_logprobs)
     return out, jnp.zeros((max_seqs,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
 
 
@@ -196,45 +203,99 @@ class ModelRunner:
         self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1,),
                                 static_argnames=("layout",), **fwd)
         self._sample = jax.jit(functools.partial(_sample, max_seqs=self.max_seqs),
-                               static_argnames=("layout", "filters"), **smp)
+                               static_argnames=("layout", "filters", "random", "top_logprobs"), **smp)
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}  # filled by warmup(), in parallel
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (T, S) pair a step can be padded to: S sequences need at least S tokens."""
         return shape_pairs(self.ecfg.token_buckets, self.ecfg.seq_buckets)
 
-    def execute(self, inp: StepInput, prev_ids: jax.Array | None = None, *, filters: bool | None = None,
-                prompt_logprobs: bool | None = None):
+    def execute(self, inp: StepInput, prev_ids: jax.Array | None = None, *, top_logprobs: bool = True,
+                filters: bool | None = None, random: bool | None = None, prompt_logprobs: bool | None = None):
         """Launch one step (asynchronously): ((sampler output, prompt logprobs or None), ids `[max_seqs]`
-        for the next step). Results stay on the device until read. `filters` / `prompt_logprobs`
-        default to what the input asks for."""
+        for the next step). Results stay on the device until read. `top_logprobs`: whether any row asks
+        for logprobs (the host's request state says; the input does not). `filters` / `random` /
+        `prompt_logprobs` default to what the input asks for."""
         sampling = inp.sampling
         if filters is None:
             filters = bool(np.any((sampling.top_k < self.cfg.vocab_size) | (sampling.top_p < 1.0)))
+        if random is None:
+            random = filters or not bool(np.all(sampling.greedy))
         if prompt_logprobs is None:
             prompt_logprobs = bool(np.any(inp.prompt_targets >= 0))
         prev = self.no_prev_ids if prev_ids is None else prev_ids
         ints, floats, layout = pack(dataclasses.replace(inp, sampling=None))
-        self.kv_caches, logits, hidden = self._forward(self.params, self.kv_caches, ints, floats, prev,
-                                                       layout=layout)
+        self.kv_caches, logits, hidden = self._program("forward", layout)(self.params, self.kv_caches, ints,
+                                                                          floats, prev)
         s_ints, s_floats, s_layout = pack(sampling)
-        out, next_ids = self._sample(logits, s_ints, s_floats, layout=s_layout, filters=filters)
-        plp = self._prompt_logprobs(self.params, hidden, inp.prompt_targets) if prompt_logprobs else None
+        out, next_ids = self._program("sample", s_layout, filters, random, top_logprobs)(logits, s_ints, s_floats)
+        plp = None
+        if prompt_logprobs:
+            plp = self._program("prompt_logprobs", inp.prompt_targets.shape[0])(self.params, hidden,
+                                                                                inp.prompt_targets)
         return (out, plp), next_ids
+
+    def _program(self, kind: str, *key):
+        """The executable compiled at warm-up for this program and static key, else its jit (which
+        compiles on first use: only for shapes warm-up did not cover, e.g. in tests)."""
+        compiled = self._compiled.get((kind, *key))
+        if compiled is not None:
+            return compiled
+        if kind == "forward":
+            return functools.partial(self._forward, layout=key[0])
+        if kind == "sample":
+            layout, filters, random, top = key
+            return functools.partial(self._sample, layout=layout, filters=filters, random=random, top_logprobs=top)
+        return self._prompt_logprobs
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
         """A padding-only StepInput of the given bucket (writes nothing, reads nothing)."""
         sampling = build_sampling_tensors([], num_seqs, self.cfg.vocab_size)
         return build_step_input([], num_tokens, num_seqs, self.ecfg.pages_per_seq, self.ecfg.block_size, sampling)
 
-    def warmup(self, progress: bool = True) -> int:
-        """Compile every program before serving: the forward per (T, S) bucket, sampling per S with and
-        without filters, prompt logprobs per T, and the page moves. Returns the number of buckets."""
+    def warmup(self, progress: bool = True, workers: int | None = None) -> int:
+        """Compile every program before serving, `workers` at a time (XLA compiles without the GIL):
+        the forward per (T, S) bucket, then sampling per S in each of its variants and prompt
+        logprobs per T (their input shapes come from the compiled forwards), and the page moves.
+        Every step then runs an executable compiled here. Returns the number of buckets."""
         buckets = self.buckets()
-        for t, s in tqdm(buckets, desc="Compiling buckets", disable=not progress):
-            inp = self.dummy_input(t, s)
-            for filters, plp in ((False, True), (True, False)):
-                jax.block_until_ready(self.execute(inp, filters=filters, prompt_logprobs=plp))
+        workers = workers or max(1, min(16, os.cpu_count() or 1))
+        bar = tqdm(total=len(buckets), desc="Compiling buckets", disable=not progress)
+
+        def forward(bucket):
+            ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
+            compiled = self._forward.lower(self.params, self.kv_caches, ints, floats, self.no_prev_ids,
+                                           layout=layout).compile()
+            bar.update()
+            return ("forward", layout), compiled
+
+        def sample(job):
+            logits, s, filters, random, top = job
+            s_ints, s_floats, s_layout = pack(build_sampling_tensors([], s, self.cfg.vocab_size))
+            compiled = self._sample.lower(logits, s_ints, s_floats, layout=s_layout, filters=filters,
+                                          random=random, top_logprobs=top).compile()
+            return ("sample", s_layout, filters, random, top), compiled
+
+        def prompt_logprobs(job):
+            hidden, t = job
+            compiled = self._prompt_logprobs.lower(self.params, hidden, np.zeros(t, np.int32)).compile()
+            return ("prompt_logprobs", t), compiled
+
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            forwards = list(pool.map(forward, buckets))
+            self._compiled.update(forwards)
+            logits_of, hidden_of = {}, {}
+            for (t, s), (_, compiled) in zip(buckets, forwards):
+                _, logits, hidden = compiled.out_info
+                logits_of.setdefault(s, logits)
+                hidden_of.setdefault(t, hidden)
+            jobs = [(logits, s, *variant) for s, logits in logits_of.items() for variant in SAMPLER_VARIANTS]
+            self._compiled.update(pool.map(sample, jobs))
+            self._compiled.update(pool.map(prompt_logprobs, [(h, t) for t, h in hidden_of.items()]))
+        bar.close()
+        for t, s in buckets[:1]:  # one real step: loads the modules and checks the executables run
+            jax.block_until_ready(self.execute(self.dummy_input(t, s), prompt_logprobs=True))
         self.kv_caches = kv_cache.copy_pages(self.kv_caches, [(0, 0)])
         if self.host_pool.pages is not None:
             self.host_pool.swap_out(self.kv_caches, [(0, 0)])
