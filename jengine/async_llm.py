@@ -4,6 +4,8 @@ JAX calls block, so the loop cannot run on the event loop. Every engine call (ad
 anything submitted with `run`) happens on the one engine thread, fed through a command queue, so the
 engine needs no lock. Outputs go back to each request's `asyncio.Queue` with
 `loop.call_soon_threadsafe`. If the engine fails, every waiting caller gets the error; nobody hangs.
+An engine with a `close()` (the multi-host leader, which then stops its followers) gets it called on
+the engine thread when the loop ends.
 """
 
 from __future__ import annotations
@@ -200,6 +202,12 @@ class AsyncLLM:
             self._error = e
         finally:
             self._fail_all()
+            close = getattr(engine, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:
+                    logger.exception("closing the engine failed")
 
     def _log_stats(self, outputs: list[RequestOutput]) -> None:
         if self.stat_logger is None:

@@ -26,6 +26,33 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="devices to split the model over (must divide the device count and the query heads)")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine replicas, each on its own --tensor-parallel-size devices")
+
+
+def add_multihost_args(parser: argparse.ArgumentParser) -> None:
+    """Multi-host flags; each falls back to its JENGINE_* environment variable (as set on pods)."""
+    parser.add_argument("--coordinator-address", default=None,
+                        help="multi-host: host:port of process 0 (default $JENGINE_COORDINATOR_ADDRESS)")
+    parser.add_argument("--num-processes", type=int, default=None,
+                        help="multi-host: processes (hosts) in the run (default $JENGINE_NUM_PROCESSES)")
+    parser.add_argument("--process-id", type=int, default=None,
+                        help="multi-host: this process's index (default $JENGINE_PROCESS_ID)")
+
+
+def multihost_settings(args: argparse.Namespace) -> tuple[str | None, int | None, int | None]:
+    """(coordinator address, number of processes, process id): flags first, else the environment."""
+    def flag_or_env(value, name, kind=str):
+        if value is not None or not os.environ.get(name):
+            return value
+        try:
+            return kind(os.environ[name])
+        except ValueError:
+            raise ValueError(f"${name} must be an integer, got {os.environ[name]!r}") from None
+
+    return (flag_or_env(args.coordinator_address, "JENGINE_COORDINATOR_ADDRESS"),
+            flag_or_env(args.num_processes, "JENGINE_NUM_PROCESSES", int),
+            flag_or_env(args.process_id, "JENGINE_PROCESS_ID", int))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -34,21 +61,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                 preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size)
+                enable_chunked_prefill=args.enable_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
+                data_parallel_size=args.data_parallel_size)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from jengine import distributed
 
-    def flag_or_env(value, name, kind=str):  # multi-host settings: flags first, else the environment
-        return value if value is not None else (kind(os.environ[name]) if os.environ.get(name) else None)
-
-    distributed.initialize(flag_or_env(args.coordinator_address, "JENGINE_COORDINATOR_ADDRESS"),
-                           flag_or_env(args.num_processes, "JENGINE_NUM_PROCESSES", int),
-                           flag_or_env(args.process_id, "JENGINE_PROCESS_ID", int))
+    distributed.initialize(*multihost_settings(args))
     from jengine import LLM, SamplingParams
 
-    llm = LLM(args.model, data_parallel_size=args.data_parallel_size, **engine_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     prompts = args.prompt or ["Hello, my name is", "The capital of France is", "JAX compiles"]
@@ -84,18 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"HF model directory, Orbax directory or preset (default {DEFAULT_MODEL})")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                     help="engine replicas, each on its own --tensor-parallel-size devices")
-    gen.add_argument("--coordinator-address", default=None,
-                     help="multi-host: host:port of process 0 (default $JENGINE_COORDINATOR_ADDRESS)")
-    gen.add_argument("--num-processes", type=int, default=None, help="multi-host: processes (hosts) in the run")
-    gen.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
+    add_multihost_args(gen)
     gen.set_defaults(func=_generate)
 
     conv = sub.add_parser("convert", help="write a model's weights as an Orbax checkpoint")

@@ -3,7 +3,8 @@
 Each replica is a whole `LLMEngine` (its own scheduler, KV cache and compiled programs) on its own
 `tensor_parallel_size` consecutive devices. The front end sends each new request to the replica with
 the fewest unfinished requests and steps every replica once per `step()`; as a step only launches the
-device work and reads back the previous one, the replicas' device work overlaps.
+device work and reads back the previous one, the replicas' device work overlaps. Embeddings (the
+server's /v1/embeddings) run on replica 0.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ class DataParallelEngine:
         replica = self._owner.pop(request_id, None)
         if replica is not None:
             replica.abort_request(request_id)
+
+    def num_unfinished_requests(self) -> int:
+        return sum(r.num_unfinished_requests() for r in self.replicas)
+
+    def embed(self, token_ids: list[int]) -> list[float]:
+        from jengine.entrypoints.pooling import embed
+
+        return embed(self.replicas[0], token_ids)
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)

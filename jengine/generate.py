@@ -16,12 +16,13 @@ from jengine.config import ModelConfig
 from jengine.kv_cache import allocate
 from jengine.models import ModelInput, get_model_family
 from jengine.runner import build_step_input
+from jengine.sharding import kv_cache_sharding, replicated
 
 PAGE_SIZE = 16
 
 
-def _caches(cfg: ModelConfig, num_pages: int) -> list:
-    return allocate(cfg, num_pages, PAGE_SIZE, cfg.dtype)
+def _caches(cfg: ModelConfig, num_pages: int, mesh=None) -> list:
+    return allocate(cfg, num_pages, PAGE_SIZE, cfg.dtype, None if mesh is None else kv_cache_sharding(mesh))
 
 
 def _bucket(n: int) -> int:
@@ -45,9 +46,11 @@ def _step(params, kv_caches, inp: ModelInput, cfg: ModelConfig, all_logits: bool
     return kv_caches, family.compute_logits(params, cfg, hidden)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _hidden(params, kv_caches, inp: ModelInput, cfg: ModelConfig):
-    return get_model_family(cfg.architecture).forward(params, cfg, inp, kv_caches)[1]  # [T, H]
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
+def _hidden(params, kv_caches, inp: ModelInput, cfg: ModelConfig, mesh=None):
+    hidden = get_model_family(cfg.architecture).forward(params, cfg, inp, kv_caches, mesh=mesh)[1]  # [T, H]
+    # replicated, so every process (multi-host) can read it whole
+    return hidden if mesh is None else jax.lax.with_sharding_constraint(hidden, replicated(mesh))
 
 
 def padded_lengths(max_len: int) -> list[int]:
@@ -55,11 +58,14 @@ def padded_lengths(max_len: int) -> list[int]:
     return sorted({_bucket(n) for n in [1, max_len] + [1 << i for i in range(max_len.bit_length())] if n <= max_len})
 
 
-def hidden_states(cfg: ModelConfig, params: dict, token_ids) -> np.ndarray:
-    """Final-normed hidden states `[len, H]` (f32) of one sequence, with its own scratch cache."""
+def hidden_states(cfg: ModelConfig, params: dict, token_ids, mesh=None) -> np.ndarray:
+    """Final-normed hidden states `[len, H]` (f32) of one sequence, with its own scratch cache.
+
+    `mesh`: the tensor-parallel mesh the params are sharded over (then `cfg` is the model the devices
+    hold, `sharding.sharded_model_config`)."""
     ids = _check_ids(cfg, token_ids)
     num_pages = _bucket(len(ids)) // PAGE_SIZE
-    hidden = _hidden(params, _caches(cfg, num_pages), _sequence_input(ids, 0, num_pages), cfg=cfg)
+    hidden = _hidden(params, _caches(cfg, num_pages, mesh), _sequence_input(ids, 0, num_pages), cfg=cfg, mesh=mesh)
     return np.asarray(hidden, np.float32)[: len(ids)]
 
 

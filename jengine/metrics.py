@@ -2,7 +2,9 @@
 
 `EngineMetrics.record(engine, outputs)` is the `AsyncLLM` stat logger: it runs on the engine thread
 after every iteration, sets the gauges from the scheduler, advances the counters by what changed since
-the previous call and observes the latency histograms of the requests that finished.
+the previous call and observes the latency histograms of the requests that finished. With
+data-parallel replicas the gauges and counters are summed over the replicas (KV usage is their mean)
+and `jengine:engine_generation_tokens{engine="i"}` shows how the work spread.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ class EngineMetrics:
         self.e2e = hist("jengine:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
         self.queue_time = hist("jengine:request_queue_time_seconds", "Time from arrival to first scheduling.",
                                _LATENCY_BUCKETS)
+        self.engine_generation_tokens = Counter(
+            "jengine:engine_generation_tokens", "Generated tokens per engine (data-parallel replica).",
+            ["model_name", "engine"], registry=r)
+        self._model_name = model_name
         self.iteration_tokens = hist("jengine:iteration_tokens_total", "Tokens computed per engine iteration.",
                                      _TOKEN_BUCKETS)
         self._last: dict[str, float] = {}
@@ -65,7 +71,8 @@ class EngineMetrics:
         return delta
 
     def record(self, engine, outputs: list[RequestOutput]) -> None:
-        s = engine.scheduler.stats()
+        replicas = getattr(engine, "replicas", None) or [engine]
+        s = _scheduler_stats(replicas)
         self.running.set(s["num_requests_running"])
         self.waiting.set(s["num_requests_waiting"])
         self.swapped.set(s["num_requests_swapped"])
@@ -76,6 +83,9 @@ class EngineMetrics:
         st = engine.stats
         self._advance(self.prompt_tokens, "prompt_tokens", st["prompt_tokens"])
         generated = self._advance(self.generation_tokens, "generation_tokens", st["generation_tokens"])
+        for i, replica in enumerate(replicas):
+            self._advance(self.engine_generation_tokens.labels(model_name=self._model_name, engine=str(i)),
+                          f"generation_tokens/{i}", replica.stats["generation_tokens"])
         prefill = st["computed_prompt_tokens"] - self._last.get("computed_prompt_tokens", 0)
         self._last["computed_prompt_tokens"] = st["computed_prompt_tokens"]
         if outputs:
@@ -105,3 +115,11 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _scheduler_stats(engines) -> dict[str, float]:
+    """One engine's scheduler stats, or several replicas' summed (KV cache usage averaged)."""
+    stats = [e.scheduler.stats() for e in engines]
+    total = {key: sum(s[key] for s in stats) for key in stats[0]}
+    total["kv_cache_usage_perc"] /= len(stats)
+    return total

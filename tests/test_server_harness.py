@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str, api_key: str | None = API_KEY, timeout: float = 120.0):
+    def __init__(self, *extra: str, api_key: str | None = API_KEY, timeout: float = 120.0, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -32,7 +32,7 @@ class Server:
                 "--uvicorn-log-level", "warning", *SMALL_ENGINE, *extra]
         if api_key:
             args += ["--api-key", api_key]
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
         self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

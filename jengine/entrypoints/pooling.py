@@ -2,6 +2,8 @@
 
 Runs the single-sequence path of `jengine.generate` on the engine thread (it uses the engine's params
 and the device). `warmup` compiles every padded length up front, so serving embeddings never compiles.
+Engines made of other engines provide `embed(token_ids)` themselves: data-parallel replicas embed on
+replica 0, a multi-host leader first tells its followers to run the same program.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from jengine.generate import hidden_states, padded_lengths
 
 def embed(engine, token_ids: list[int]) -> list[float]:
     """Unit-length mean-pooled embedding `[H]` of one tokenized input with an `LLMEngine`'s model."""
+    if hasattr(engine, "embed"):
+        return engine.embed(token_ids)
     if not token_ids:
         raise ValueError("cannot embed an empty input")
     if len(token_ids) > engine.config.max_model_len:
         raise ValueError(f"input of {len(token_ids)} tokens is longer than max_model_len={engine.config.max_model_len}")
-    pooled = hidden_states(engine.model_config, engine.runner.params, token_ids).mean(axis=0)
+    runner = engine.runner
+    pooled = hidden_states(runner.cfg, runner.params, token_ids, runner.mesh).mean(axis=0)
     norm = float(np.linalg.norm(pooled))
     return (pooled / norm if norm > 0 else pooled).tolist()
 
@@ -25,6 +30,7 @@ def embed(engine, token_ids: list[int]) -> list[float]:
 def warmup(engine) -> int:
     """Compile the embedding program for every padded input length; returns how many."""
     lengths = padded_lengths(engine.config.max_model_len)
+    runner = engine.runner
     for n in lengths:
-        hidden_states(engine.model_config, engine.runner.params, [0] * n)
+        hidden_states(runner.cfg, runner.params, [0] * n, runner.mesh)
     return len(lengths)

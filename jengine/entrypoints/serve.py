@@ -2,6 +2,11 @@
 
 SIGTERM / Ctrl-C: uvicorn stops accepting connections and waits for the responses in flight; then the
 app's shutdown drains the engine, and the process exits 0.
+
+`--data-parallel-size N` serves N engine replicas behind the one front end (`DataParallelEngine`).
+Multi-host (`--coordinator-address/--num-processes/--process-id`, or JENGINE_*): every process builds
+the same engine; process 0 serves HTTP and the others follow its commands in lockstep
+(`jengine.multihost_serving`); SIGTERM goes to process 0 only, which then stops the others.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from jengine.cli import add_engine_args
+    from jengine.cli import add_engine_args, add_multihost_args
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               description="Start an OpenAI-compatible server (/v1/completions, "
@@ -44,6 +49,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     add_engine_args(p)
+    add_multihost_args(p)
     p.set_defaults(func=run_server)
     return p
 
@@ -51,11 +57,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def run_server(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    from jengine import distributed
+    from jengine.cli import multihost_settings
+
+    multihost = multihost_settings(args)
+    if multihost[1] not in (None, 1) and args.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size} is not supported with "
+                         f"--num-processes {multihost[1]} (multi-host serving runs one replica across the hosts)")
+    # before anything touches a device; a "run" of one process needs no lockstep
+    multi_process = distributed.initialize(*multihost) and multihost[1] > 1
     import uvicorn
 
     from jengine.async_llm import AsyncLLM
     from jengine.cli import engine_kwargs
-    from jengine.engine import LLMEngine
     from jengine.engine_config import EngineConfig
     from jengine.entrypoints import pooling
     from jengine.entrypoints.api_server import build_app
@@ -63,26 +77,52 @@ def run_server(args: argparse.Namespace) -> int:
     from jengine.tokenizer import load_tokenizer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger(__name__)
     api_key = args.api_key or os.environ.get("JENGINE_API_KEY") or None
     name = args.served_model_name or args.model
     kwargs = engine_kwargs(args)
     kwargs.update(token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
-    engine = LLMEngine(EngineConfig(model=args.model, **kwargs), progress=sys.stderr.isatty())
-    embedding_programs = pooling.warmup(engine)  # /v1/embeddings must not compile while serving
-    metrics = EngineMetrics(name)
-    llm = AsyncLLM.from_engine(engine, stat_logger=metrics.record, on_abort=lambda _: metrics.record_aborted())
-    app = build_app(llm, name, tokenizer=load_tokenizer(args.model), api_key=api_key, metrics=metrics)
-    logging.getLogger(__name__).info(
-        "serving %s as %r on http://%s:%d (%d buckets compiled in %.1fs, %d embedding lengths)",
-        args.model, name, args.host, args.port, engine.num_compiled_buckets, engine.startup_seconds,
-        embedding_programs)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_keep_alive=5)
+    engine = _build_engine(EngineConfig(model=args.model, **kwargs))
+    # /v1/embeddings must not compile while serving (data-parallel replicas embed on replica 0)
+    embedding_programs = pooling.warmup(getattr(engine, "replicas", [engine])[0])
+    if multi_process:
+        from jengine import multihost_serving
+
+        if not distributed.is_main_process():
+            log.info("process %d follows process 0's requests", multihost[2])
+            steps = multihost_serving.follow(engine)
+            log.info("process 0 stopped the run after %d steps", steps)
+            return 0
+        engine = multihost_serving.LeaderEngine(engine)
+    llm = None
     try:
+        metrics = EngineMetrics(name)
+        llm = AsyncLLM.from_engine(engine, stat_logger=metrics.record, on_abort=lambda _: metrics.record_aborted())
+        app = build_app(llm, name, tokenizer=load_tokenizer(args.model), api_key=api_key, metrics=metrics)
+        log.info("serving %s as %r on http://%s:%d (%d replica(s) x %d device(s)%s; %d buckets compiled in %.1fs, "
+                 "%d embedding lengths)", args.model, name, args.host, args.port, args.data_parallel_size,
+                 args.tensor_parallel_size, f", {multihost[1]} processes" if multi_process else "",
+                 engine.num_compiled_buckets, engine.startup_seconds, embedding_programs)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_keep_alive=5)
         _draining_server_class()(config).run()
     finally:
-        llm.shutdown(drain=False, timeout=30)
+        if llm is not None:
+            llm.shutdown(drain=False, timeout=30)  # a multi-host leader stops its followers on the way out
+        elif multi_process:
+            engine.close()
     return 0
+
+
+def _build_engine(config):
+    progress = sys.stderr.isatty()
+    if config.data_parallel_size > 1:
+        from jengine.data_parallel import DataParallelEngine
+
+        return DataParallelEngine(config, progress=progress)
+    from jengine.engine import LLMEngine
+
+    return LLMEngine(config, progress=progress)
 
 
 def _draining_server_class():
