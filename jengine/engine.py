@@ -15,7 +15,7 @@ import time
 import jax
 import numpy as np
 
-from jengine.buckets import pick_bucket
+from jengine.buckets import pick_bucket, seq_bucket
 from jengine.detokenizer import IncrementalDetokenizer
 from jengine.engine_config import EngineConfig
 from jengine.kv_cache import num_device_pages, num_host_pages
@@ -65,7 +65,7 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         if config.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={config.data_parallel_size}: one LLMEngine is one replica; "
-                             "replicas run behind LLM(...) (jengine.data_parallel), not yet behind the server")
+                             "replicas run behind LLM(...) and jengine serve (jengine.data_parallel)")
         config.check_tensor_parallel(None, jax.device_count())
         mesh = make_mesh(tp, devices)
         self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
@@ -263,7 +263,7 @@ class LLMEngine:
     def _step_input(self, sched: SchedulerOutput, previous: SchedulerOutput | None):
         ecfg = self.config
         num_tokens = pick_bucket(sched.num_scheduled_tokens, ecfg.token_buckets)
-        num_seqs = pick_bucket(len(sched.scheduled), ecfg.seq_buckets)
+        num_seqs = seq_bucket(len(sched.scheduled), num_tokens, ecfg.seq_buckets)
         prev_rows = {e.request.request_id: i for i, e in enumerate(previous.scheduled)} if previous else {}
         rows, sampling_rows = [], []
         for entry in sched.scheduled:

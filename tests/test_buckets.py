@@ -10,6 +10,7 @@ from jengine.buckets import (
     normalize_buckets,
     padding_waste,
     pick_bucket,
+    seq_bucket,
     shape_pairs,
 )
 
@@ -59,6 +60,24 @@ def test_shape_pairs_never_pad_sequences_past_the_token_bucket():
     assert shape_pairs((16, 32, 64), (8, 16, 32)) == [
         (16, 8), (16, 16), (32, 8), (32, 16), (32, 32), (64, 8), (64, 16), (64, 32),
     ]
+
+
+def test_large_token_buckets_pad_sequence_rows_to_an_eighth_of_their_tokens():
+    # T = 256 -> at least 32 rows; T = 2048 -> the largest sequence bucket only.
+    assert shape_pairs((64, 256, 2048), (8, 16, 32, 64, 256)) == [
+        (64, 8), (64, 16), (64, 32), (64, 64), (256, 32), (256, 64), (256, 256), (2048, 256),
+    ]
+    assert seq_bucket(1, 256, (8, 16, 32, 64, 256)) == 32
+    assert seq_bucket(40, 256, (8, 16, 32, 64, 256)) == 64
+    assert seq_bucket(1, 16, (1, 8, 64)) == 8
+    assert seq_bucket(1, 8, (1, 8, 64)) == 1
+    # every step's (T, S) is one of the compiled pairs
+    tokens, seqs = (16, 32, 64, 128, 256), (1, 8, 64)
+    pairs = set(shape_pairs(tokens, seqs))
+    for n_tokens in range(1, 257):
+        t = pick_bucket(n_tokens, tokens)
+        for n_seqs in range(1, min(n_tokens, 64) + 1):
+            assert (t, seq_bucket(n_seqs, t, seqs)) in pairs
 
 
 def test_bad_bucket_parameters_are_rejected():
