@@ -29,7 +29,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=2048,
                                     max_num_seqs=max(args.seq_buckets), max_num_batched_tokens=max(args.token_buckets),
                                     token_buckets=tuple(args.token_buckets), seq_buckets=tuple(args.seq_buckets),
-                                    compilation_cache_dir=None), warmup=False, progress=False)
+                                    compilation_cache_dir=None, load_format="dummy"), warmup=False, progress=False)
     runner = engine.runner
     buckets = runner.buckets()
 

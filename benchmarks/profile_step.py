@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from common import H200_COPY_BW, streamed_weight_bytes, write_json
 
+from jengine.buckets import seq_bucket
 from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
 from jengine.runner import build_step_input
@@ -45,13 +46,16 @@ def category(name: str) -> str:
     return "other fusions"
 
 
-def decode_input(engine: LLMEngine, batch: int, context: int, num_tokens: int):
+def step_input(engine: LLMEngine, batch: int, context: int, num_tokens: int, prefill_len: int = 0):
+    """B decode rows at `context` tokens, or (prefill_len > 0) B prompt chunks of prefill_len new tokens
+    after `context` cached ones; padded to `num_tokens` and the engine's sequence bucket for it."""
     cfg = engine.model_config
-    pages = context // engine.config.block_size + 1
+    new = max(1, prefill_len)
+    pages = (context + new) // engine.config.block_size + 1
     rng = np.random.default_rng(batch)
-    rows = [([int(rng.integers(1000))], context, list(range(1 + i * pages, 1 + (i + 1) * pages)), -1, None)
-            for i in range(batch)]
-    seqs = min(s for s in engine.config.seq_buckets if s >= batch)
+    rows = [(rng.integers(1000, size=new).tolist(), context, list(range(1 + i * pages, 1 + (i + 1) * pages)), -1,
+             None) for i in range(batch)]
+    seqs = seq_bucket(batch, num_tokens, engine.config.seq_buckets)
     sampling = build_sampling_tensors([(SamplingParams(temperature=0), [1], [])] * batch, seqs, cfg.vocab_size)
     return build_step_input(rows, num_tokens, seqs, engine.config.pages_per_seq, engine.config.block_size, sampling)
 
@@ -114,6 +118,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--token-buckets", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--prefill-len", type=int, default=0,
+                        help="rows are prompt chunks of this many new tokens (after --context cached ones)")
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--steps", type=int, default=10, help="steps traced (and 3x as many timed)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
@@ -123,7 +130,8 @@ def main() -> None:
     seqs = tuple(sorted(set(args.batch_sizes)))
     buckets = tuple(sorted(args.token_buckets))
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=max(1024, 2 * args.context),
+    max_len = args.max_model_len or max(1024, 2 * (args.context + args.prefill_len))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=max_len,
                                     max_num_seqs=max(seqs), max_num_batched_tokens=max(buckets),
                                     token_buckets=buckets, seq_buckets=seqs,
                                     gpu_memory_utilization=args.gpu_memory_utilization), progress=False)
@@ -131,8 +139,8 @@ def main() -> None:
     bound_ms = 1e3 * streamed_weight_bytes(engine.runner.params) / H200_COPY_BW
     results = []
     for b in args.batch_sizes:
-        t = min(x for x in buckets if x >= b)
-        inp = decode_input(engine, b, args.context, t)
+        t = min(x for x in buckets if x >= b * max(1, args.prefill_len))
+        inp = step_input(engine, b, args.context, t, args.prefill_len)
         run_steps(engine.runner, inp, 3)
         times = []
         for _ in range(3):

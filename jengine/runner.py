@@ -139,37 +139,39 @@ def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_p
     step's output. Padding tokens write nowhere (slot -1); padding rows have no queries and no keys.
     """
     T, S = num_tokens_padded, num_seqs_padded
-    token_ids = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    slots = np.full(T, -1, np.int32)
+    n = len(rows)
+    lens = np.fromiter((len(r[0]) for r in rows), np.int32, n)
+    starts = np.fromiter((r[1] for r in rows), np.int32, n)
     cu_q_lens = np.zeros(S + 1, np.int32)
+    np.cumsum(lens, out=cu_q_lens[1 : n + 1])
+    total = int(cu_q_lens[n])
+    cu_q_lens[n + 1 :] = total
     kv_lens = np.zeros(S, np.int32)
+    kv_lens[:n] = starts + lens
     page_indices = np.zeros((S, pages_per_seq), np.int32)
+    for i, r in enumerate(rows):
+        page_indices[i, : len(r[2])] = r[2]
     logits_indices = np.zeros(S, np.int32)
+    logits_indices[:n] = cu_q_lens[1 : n + 1] - 1
+    # Per token: its row, its position, its page slot (vectorised over the whole batch).
+    row_of = np.repeat(np.arange(n, dtype=np.int32), lens)
+    pos = np.repeat(starts, lens) + np.arange(total, dtype=np.int32) - np.repeat(cu_q_lens[:n], lens)
+    ids = np.fromiter((t for r in rows for t in r[0]), np.int32, total)
+    unknown = ids == PLACEHOLDER
+    prev_rows = np.fromiter((r[3] for r in rows), np.int32, n)
+    assert not np.any(unknown & (prev_rows[row_of] < 0)), "a placeholder token without the step that samples it"
+    token_ids = np.zeros(T, np.int32)
+    token_ids[:total] = np.where(unknown, 0, ids)
     prev_index = np.full(T, -1, np.int32)
+    prev_index[:total] = np.where(unknown, prev_rows[row_of], -1)
+    positions = np.zeros(T, np.int32)
+    positions[:total] = pos
+    slots = np.full(T, -1, np.int32)
+    slots[:total] = page_indices[row_of, pos // block_size] * block_size + pos % block_size
     prompt_targets = np.full(T, -1, np.int32)
-    t = 0
-    for i, (ids, start, table, prev_row, targets) in enumerate(rows):
-        n = len(ids)
-        pos = np.arange(start, start + n, dtype=np.int32)
-        table = np.asarray(table, np.int32)
-        ids = np.asarray(ids, np.int32)
-        unknown = ids == PLACEHOLDER
-        if unknown.any():
-            assert prev_row >= 0, "a placeholder token without the step that samples it"
-            prev_index[t : t + n][unknown] = prev_row
-            ids = np.where(unknown, 0, ids)
-        token_ids[t : t + n] = ids
-        if targets is not None:
-            prompt_targets[t : t + len(targets)] = targets
-        positions[t : t + n] = pos
-        slots[t : t + n] = table[pos // block_size] * block_size + pos % block_size
-        page_indices[i, : len(table)] = table
-        kv_lens[i] = start + n
-        t += n
-        cu_q_lens[i + 1] = t
-        logits_indices[i] = t - 1
-    cu_q_lens[len(rows) + 1 :] = t
+    for i, r in enumerate(rows):
+        if r[4] is not None:
+            prompt_targets[cu_q_lens[i] : cu_q_lens[i] + len(r[4])] = r[4]
     model = ModelInput(token_ids=token_ids, positions=positions, slot_mapping=slots, cu_q_lens=cu_q_lens,
                        kv_lens=kv_lens, page_indices=page_indices, num_seqs=np.array([len(rows)], np.int32))
     return StepInput(model=model, logits_indices=logits_indices, prev_token_index=prev_index,

@@ -12,6 +12,8 @@ checkpoint's order. Attention and the cache write run per KV-head shard.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -65,20 +67,20 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
     return specs
 
 
-def _attention(params, prefix, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
+def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
     num_tokens, tp = x.shape[0], tp_size(mesh)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     hq_s, hkv_s = hq // tp, hkv // tp  # heads per shard
-    qkv = x @ params[prefix + "qkv"]  # [T, (Hq + 2 Hkv) D]
+    qkv = x @ params["qkv"]  # [T, (Hq + 2 Hkv) D]
     if cfg.attention_bias:
-        qkv = qkv + params[prefix + "qkv_bias"]
+        qkv = qkv + params["qkv_bias"]
     qkv = qkv.reshape(num_tokens, tp, (hq_s + 2 * hkv_s) * d)  # [T, tp, per_shard]
     q = qkv[:, :, : hq_s * d].reshape(num_tokens, hq, d)
     k = qkv[:, :, hq_s * d : (hq_s + hkv_s) * d].reshape(num_tokens, hkv, d)
     v = qkv[:, :, (hq_s + hkv_s) * d :].reshape(num_tokens, hkv, d)
     if cfg.qk_norm:
-        q = rms_norm(q, params[prefix + "q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, params[prefix + "k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, params["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, params["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def attend(kv_cache, q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
@@ -91,15 +93,27 @@ def _attention(params, prefix, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh
 
     kv_cache, out = per_head_shard(attend, mesh, 4)(
         kv_cache, q, k, v, inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
-    return out.reshape(num_tokens, hq * d) @ params[prefix + "o"], kv_cache
+    return out.reshape(num_tokens, hq * d) @ params["o"], kv_cache
 
 
-def _mlp(params, prefix, cfg, x, tp):
+def _mlp(params, cfg, x, tp):
     inter = cfg.intermediate_size // tp
-    gate_up = (x @ params[prefix + "gate_up"]).reshape(x.shape[0], tp, 2 * inter)  # [T, tp, 2 I / tp]
+    gate_up = (x @ params["gate_up"]).reshape(x.shape[0], tp, 2 * inter)  # [T, tp, 2 I / tp]
     gate = gate_up[:, :, :inter].reshape(x.shape[0], cfg.intermediate_size)
     up = gate_up[:, :, inter:].reshape(x.shape[0], cfg.intermediate_size)
-    return (jax.nn.silu(gate) * up) @ params[prefix + "down"]
+    return (jax.nn.silu(gate) * up) @ params["down"]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
+def _layer(params: dict, x: jax.Array, inp: ModelInput, kv_cache, cos, sin, *, cfg: ModelConfig, mesh):
+    """One decoder layer. Jitted on its own so that a step traces and lowers it (and its attention
+    kernel) once, not once per layer: the layers share shapes, so their calls share one function;
+    XLA inlines it again, so the compiled program is the same."""
+    attn, kv_cache = _attention(params, cfg, rms_norm(x, params["input_norm"], cfg.rms_norm_eps), inp, kv_cache,
+                                cos, sin, mesh)
+    x = x + attn
+    x = x + _mlp(params, cfg, rms_norm(x, params["post_norm"], cfg.rms_norm_eps), tp_size(mesh))
+    return x, kv_cache
 
 
 def forward(params: dict, cfg: ModelConfig, inp: ModelInput, kv_caches: list,
@@ -113,11 +127,8 @@ def forward(params: dict, cfg: ModelConfig, inp: ModelInput, kv_caches: list,
     new_caches = []
     for i in range(cfg.num_hidden_layers):
         prefix = f"layers.{i}."
-        attn, cache = _attention(params, prefix, cfg, rms_norm(x, params[prefix + "input_norm"],
-                                                                cfg.rms_norm_eps), inp, kv_caches[i], cos, sin, mesh)
-        x = x + attn
-        x = x + _mlp(params, prefix, cfg, rms_norm(x, params[prefix + "post_norm"], cfg.rms_norm_eps),
-                     tp_size(mesh))
+        layer_params = {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+        x, cache = _layer(layer_params, x, inp, kv_caches[i], cos, sin, cfg=cfg, mesh=mesh)
         new_caches.append(cache)
     return new_caches, rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
