@@ -25,23 +25,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--output-json", default=None)
 
 
 def make_llm(args):
     """The engine under test, built from the common flags; prints start-up time and KV capacity."""
-    from jengine import LLM
-
-    t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
-               seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None,
-               gpu_memory_utilization=args.gpu_memory_utilization,
-               enable_prefix_caching=args.enable_prefix_caching)
-    print(f"start-up {time.perf_counter() - t0:.1f}s ({llm.engine.num_compiled_buckets} buckets), "
-          f"KV cache {llm.engine.kv_cache_tokens} tokens")
-    return llm
+    return build_llm(args)
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -120,7 +110,8 @@ def engine_args(args, **overrides) -> dict:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
               seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None,
-              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching)
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
+              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     kw.update(overrides)
     return {k: v for k, v in kw.items() if v is not None}
 

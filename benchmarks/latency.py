@@ -32,7 +32,8 @@ def run_jengine(args) -> list[dict]:
 
     llm = make_llm(args)
     engine = llm.engine
-    weight_bytes = streamed_weight_bytes(engine.runner.params)
+    tp = engine.config.tensor_parallel_size  # the bound is per device: its shard of the weights
+    weight_bytes = streamed_weight_bytes(engine.runner.params) / tp
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
     for batch in args.batch_sizes:
