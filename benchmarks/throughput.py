@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"workload: {args.dataset}, {len(requests)} requests, {prompt_tokens} prompt tokens "
           f"(mean {prompt_tokens / len(requests):.0f}), {sum(o for _, o in lengths)} output tokens")
     bound = roofline(args.model, lengths, args.max_num_seqs, dtype_bytes=4 if "32" in args.dtype else 2,
-                     flops=args.peak_tflops * 1e12,
-                     bandwidth=args.peak_tb_s * 1e12)
+                     flops=args.peak_tflops * 1e12 * args.tensor_parallel_size,  # aggregate over the TP group
+                     bandwidth=args.peak_tb_s * 1e12 * args.tensor_parallel_size)
     rows = hf_in_child(__file__, argv) if args.backend == "both" else []  # first: before JAX takes the device
     if args.backend in ("jengine", "both"):
         rows.insert(0, run_jengine(args, requests))
