@@ -45,12 +45,13 @@ class DataParallelEngine:
     def tokenize_prompt(self, prompt):
         return self.replicas[0].tokenize_prompt(prompt)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, **kwargs) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, **kwargs) -> list[int]:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         replica = min(self.replicas, key=lambda r: r.num_unfinished_requests())
-        replica.add_request(request_id, prompt, params, **kwargs)
+        ids = replica.add_request(request_id, prompt, params, **kwargs)
         self._owner[request_id] = replica
+        return ids
 
     def abort_request(self, request_id: str) -> None:
         replica = self._owner.pop(request_id, None)

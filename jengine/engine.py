@@ -120,7 +120,8 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None) -> list[int]:
+        """Queue a request; returns its prompt's token ids."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -151,6 +152,7 @@ class LLMEngine:
             children[0].request.skip_prefix_cache = True  # every prompt position must be computed
         self._groups[request_id] = group
         self.stats["prompt_tokens"] += len(ids) * params.n
+        return ids
 
     def _check_token_params(self, params: SamplingParams) -> None:
         """Token ids in the params must exist in this model's vocabulary (the sampler would fail mid-step)."""

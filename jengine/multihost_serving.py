@@ -86,12 +86,12 @@ class LeaderEngine:
         return getattr(self.engine, name)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None) -> list[int]:
         params = params or SamplingParams()
         arrival_time = time.time() if arrival_time is None else arrival_time
-        self.engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time)
-        _, ids = self.engine.tokenize_prompt(prompt)  # accepted, so it tokenizes; followers get the ids
+        ids = self.engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time)
         self._commands.append(["add", request_id, ids, encode_params(params), priority, arrival_time])
+        return ids
 
     def abort_request(self, request_id: str) -> None:
         self.engine.abort_request(request_id)

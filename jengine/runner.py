@@ -117,7 +117,7 @@ def _forward(params, kv_caches, ints, floats, prev_ids, *, layout, cfg: ModelCon
     return kv_caches, family.compute_logits(params, cfg, hidden[inp.logits_indices]), hidden
 
 
-# (filters, random) pairs a batch can need: top-k/top-p filters only come with non-greedy rows.
+# (filters, random, top_logprobs) a batch can need: top-k/top-p filters only come with non-greedy rows.
 SAMPLER_VARIANTS = tuple((f, r, top) for f, r in ((False, False), (False, True), (True, True))
                          for top in (False, True))
 
@@ -296,8 +296,8 @@ class ModelRunner:
             self._compiled.update(pool.map(sample, jobs))
             self._compiled.update(pool.map(prompt_logprobs, [(h, t) for t, h in hidden_of.items()]))
         bar.close()
-        for t, s in buckets[:1]:  # one real step: loads the modules and checks the executables run
-            jax.block_until_ready(self.execute(self.dummy_input(t, s), prompt_logprobs=True))
+        # one real step: checks that the executables run
+        jax.block_until_ready(self.execute(self.dummy_input(*buckets[0]), prompt_logprobs=True))
         self.kv_caches = kv_cache.copy_pages(self.kv_caches, [(0, 0)])
         if self.host_pool.pages is not None:
             self.host_pool.swap_out(self.kv_caches, [(0, 0)])

@@ -56,7 +56,9 @@ class FakeEngine:
     def add_request(self, request_id, prompt, params=None, *, priority=0, arrival_time=None):
         if request_id == "bad":
             raise ValueError("bad request")
-        self.calls.append(("add", request_id, self.tokenize_prompt(prompt)[1], params, priority, arrival_time))
+        ids = self.tokenize_prompt(prompt)[1]
+        self.calls.append(("add", request_id, ids, params, priority, arrival_time))
+        return ids
 
     def abort_request(self, request_id):
         self.calls.append(("abort", request_id))

@@ -32,16 +32,6 @@ def _ids(logprobs_tokens) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in logprobs_tokens]
 
 
-def _wait_idle(server, timeout=20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        idle = (m["jengine:num_requests_running"], m["jengine:num_requests_waiting"],
-                m["jengine:kv_cache_usage_perc"]) == (0, 0, 0)
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
-
 
 def test_health_version_and_models(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -168,11 +158,8 @@ def test_v1_routes_need_the_api_key(server, headers):
 def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
     body = {"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
     before = server.metrics().get("jengine:request_success_total[abort]", 0)
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers) as r:
-        for i, _ in enumerate(r.iter_lines()):
-            if i == 4:
-                break
-    m = _wait_idle(server)
+    server.abandon_stream(body, after_lines=4)
+    m = server.wait_idle()
     assert (m["jengine:num_requests_running"], m["jengine:kv_cache_usage_perc"]) == (0, 0)
     assert m["jengine:request_success_total[abort]"] == before + 1
 
@@ -180,7 +167,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
 def test_metrics_count_tokens_requests_and_latencies(server, client):
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0,
                               extra_body={"ignore_eos": True})
-    m = _wait_idle(server)
+    m = server.wait_idle()
     assert m["jengine:prompt_tokens_total"] > 0 and m["jengine:generation_tokens_total"] >= 3
     assert m["jengine:request_success_total[length]"] >= 1
     assert m["jengine:prefix_cache_queries_total"] >= m["jengine:prefix_cache_hits_total"] >= 0
@@ -198,7 +185,7 @@ def test_a_client_gone_before_a_non_streamed_reply_aborts_its_request(server):
     while server.metrics().get("jengine:request_success_total[abort]", 0) == before:
         assert time.monotonic() < deadline, server.metrics()
         time.sleep(0.1)
-    assert _wait_idle(server)["jengine:kv_cache_usage_perc"] == 0
+    assert server.wait_idle()["jengine:kv_cache_usage_perc"] == 0
 
 
 def test_serve_cli_binds_loopback_by_default_and_checks_tensor_parallel_size_against_devices():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 
 import httpx
 import openai
@@ -37,15 +36,6 @@ def _engine_tokens(server) -> dict[str, float]:
             re.finditer(r'^jengine:engine_generation_tokens_total\{engine="(\d+)",[^}]*\} (\S+)', text, re.M)}
 
 
-def _wait_idle(server, timeout=20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if (m["jengine:num_requests_running"], m["jengine:num_requests_waiting"],
-                m["jengine:kv_cache_usage_perc"]) == (0, 0, 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
-
 
 def test_dp2_greedy_completions_equal_one_engine_and_use_both_replicas(server):
     async def all_at_once():
@@ -61,7 +51,7 @@ def test_dp2_greedy_completions_equal_one_engine_and_use_both_replicas(server):
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert served == [e.outputs[0].token_ids for e in expected]
 
-    m = _wait_idle(server)
+    m = server.wait_idle()
     per_engine = _engine_tokens(server)
     assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0  # both replicas generated
     assert sum(per_engine.values()) == m["jengine:generation_tokens_total"] == 10 * len(PROMPTS)
@@ -72,11 +62,8 @@ def test_dp2_greedy_completions_equal_one_engine_and_use_both_replicas(server):
 def test_dp2_abort_frees_pages_and_embeddings_run(server):
     before = server.metrics().get("jengine:request_success_total[abort]", 0)
     body = {"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers) as r:
-        for i, _ in enumerate(r.iter_lines()):
-            if i == 3:
-                break
-    m = _wait_idle(server)
+    server.abandon_stream(body, after_lines=3)
+    m = server.wait_idle()
     assert (m["jengine:num_requests_running"], m["jengine:kv_cache_usage_perc"]) == (0, 0)
     assert m["jengine:request_success_total[abort]"] == before + 1
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)

@@ -62,6 +62,23 @@ class Server:
                 values[name + (f"[{reason[0]}]" if reason else "")] = float(value)
         return values
 
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """/metrics once nothing runs, waits and no KV page is held (or at the timeout, for the caller's asserts)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["jengine:num_requests_running"], m["jengine:num_requests_waiting"],
+                    m["jengine:kv_cache_usage_perc"]) == (0, 0, 0) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
+    def abandon_stream(self, body: dict, after_lines: int) -> None:
+        """Start a streaming completion and disconnect after reading `after_lines` lines."""
+        with httpx.stream("POST", f"{self.url}/v1/completions", json=body, headers=self.headers) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i == after_lines:
+                    break
+
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -22,16 +22,6 @@ def server():
     srv.stop()
 
 
-def _wait_idle(server, timeout=30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if (m["jengine:num_requests_running"], m["jengine:num_requests_waiting"],
-                m["jengine:kv_cache_usage_perc"]) == (0, 0, 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
-
-
 async def _stream(client: httpx.AsyncClient, i: int, disconnect: bool) -> tuple[str, str | None, bool]:
     body = {"model": MODEL, "prompt": f"request {i}:", "max_tokens": 6, "temperature": 0, "stream": True,
             "ignore_eos": True}
@@ -63,7 +53,7 @@ def test_128_concurrent_streams_with_a_quarter_disconnecting(server):
     completed = [r for i, r in enumerate(results) if i % 4]
     assert len(completed) == 96
     assert all(done and finish == "length" for _, finish, done in completed)
-    m = _wait_idle(server)
+    m = server.wait_idle()
     assert (m["jengine:num_requests_running"], m["jengine:num_requests_waiting"]) == (0, 0)
     assert m["jengine:kv_cache_usage_perc"] == 0
     finished = m["jengine:request_success_total[length]"] - before
@@ -159,7 +149,7 @@ def test_fuzzed_raw_bytes_never_get_a_5xx(server, raw):
 
 
 def test_fuzzing_left_nothing_running(server):
-    m = _wait_idle(server)
+    m = server.wait_idle()
     assert (m["jengine:num_requests_running"], m["jengine:num_requests_waiting"],
             m["jengine:kv_cache_usage_perc"]) == (0, 0, 0)
 

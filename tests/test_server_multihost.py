@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 import openai
@@ -91,7 +90,7 @@ def test_two_process_server_generates_what_one_process_does_and_stops_on_sigterm
         [e.outputs[0].token_ids for e in expected[:-1]]
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (with_stop, "stop")
 
-    m = _wait_idle(leader)
+    m = leader.wait_idle()
     assert (m["jengine:num_requests_running"], m["jengine:kv_cache_usage_perc"]) == (0, 0)
     assert m["jengine:request_success_total[abort]"] == 1
     # still in lockstep after the abort: a later request matches too
@@ -112,13 +111,3 @@ async def _aenumerate(items):
     async for item in items:
         yield i, item
         i += 1
-
-
-def _wait_idle(server, timeout=30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if (m["jengine:num_requests_running"], m["jengine:num_requests_waiting"],
-                m["jengine:kv_cache_usage_perc"]) == (0, 0, 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
