@@ -60,33 +60,41 @@ def step_input(engine: LLMEngine, batch: int, context: int, num_tokens: int, pre
     return build_step_input(rows, num_tokens, seqs, engine.config.pages_per_seq, engine.config.block_size, sampling)
 
 
-def run_steps(runner, inp, n: int) -> None:
-    """n steps back to back, each feeding the previous one's ids, as the engine's asynchronous loop."""
+def run_steps(runner, inp, n: int) -> float:
+    """n steps back to back, each feeding the previous one's ids, as the engine's asynchronous loop.
+
+    Returns the host's mean time inside `execute` (dispatch: if it nears the step time, launching a
+    step waits for the previous one and host and device work do not overlap)."""
     prev = None
     out = None
+    dispatch = 0.0
     for _ in range(n):
+        t = time.perf_counter()
         out, prev = runner.execute(inp, prev, top_logprobs=False)
+        dispatch += time.perf_counter() - t
     jax.block_until_ready((out, prev))
+    return dispatch * 1e3 / n
 
 
-def kernel_events(trace_dir: str):
-    """(name, start_ns, duration_ns) of every kernel/copy on the device's stream lines."""
+def kernel_events(trace_dir: str) -> dict[str, list]:
+    """Per GPU plane: (name, start_ns, duration_ns) of every kernel/copy on its stream lines."""
     from jax.profiler import ProfileData
 
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
     data = ProfileData.from_file(path)
-    events = []
+    planes = {}
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
+        events = planes.setdefault(plane.name, [])
         for line in plane.lines:
             if not line.name.lower().startswith("stream"):
                 continue
             events.extend((ev.name, ev.start_ns, ev.duration_ns) for ev in line.events)
-    return events
+    return planes
 
 
-def summarise(events, steps: int) -> dict:
+def summarise(events, steps: int, top_n: int = 20) -> dict:
     per_cat = collections.defaultdict(float)
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
     for name, _, dur in events:
@@ -102,7 +110,7 @@ def summarise(events, steps: int) -> dict:
         end = e
     span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
     to_ms = lambda ns: ns / 1e6 / steps  # noqa: E731
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:20]
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top_n]
     return {
         "kernels_per_step": len(events) / steps,
         "span_ms": to_ms(span), "busy_ms": to_ms(busy), "idle_ms": to_ms(span - busy),
@@ -122,6 +130,8 @@ def main() -> None:
                         help="rows are prompt chunks of this many new tokens (after --context cached ones)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--steps", type=int, default=10, help="steps traced (and 3x as many timed)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per step")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default flags"))
@@ -134,7 +144,8 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=max_len,
                                     max_num_seqs=max(seqs), max_num_batched_tokens=max(buckets),
                                     token_buckets=buckets, seq_buckets=seqs,
-                                    gpu_memory_utilization=args.gpu_memory_utilization), progress=False)
+                                    gpu_memory_utilization=args.gpu_memory_utilization,
+                                    tensor_parallel_size=args.tensor_parallel_size), progress=False)
     print(f"[{args.label}] start-up {time.perf_counter() - t0:.1f} s")
     bound_ms = 1e3 * streamed_weight_bytes(engine.runner.params) / H200_COPY_BW
     results = []
@@ -142,24 +153,34 @@ def main() -> None:
         t = min(x for x in buckets if x >= b * max(1, args.prefill_len))
         inp = step_input(engine, b, args.context, t, args.prefill_len)
         run_steps(engine.runner, inp, 3)
-        times = []
+        times, dispatch = [], []
         for _ in range(3):
             t1 = time.perf_counter()
-            run_steps(engine.runner, inp, args.steps)
+            dispatch.append(run_steps(engine.runner, inp, args.steps))
             times.append((time.perf_counter() - t1) * 1e3 / args.steps)
         step_ms = statistics.median(times)
         trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="jengine_trace_")
         jax.profiler.start_trace(trace_dir)
         run_steps(engine.runner, inp, args.steps)
         jax.profiler.stop_trace()
-        summary = summarise(kernel_events(trace_dir), args.steps)
-        summary.update(batch=b, tokens=t, step_ms=step_ms, weight_bound_ms=bound_ms)
+        planes = kernel_events(trace_dir)
+        if not planes:
+            raise SystemExit("profile_step.py: the trace has no GPU kernels (it reads GPU traces only)")
+        first = sorted(planes)[0]
+        summary = summarise(planes[first], args.steps, args.top)
+        summary.update(batch=b, tokens=t, step_ms=step_ms, weight_bound_ms=bound_ms,
+                       dispatch_ms=statistics.median(dispatch), device=first,
+                       busy_ms_per_device={p: summarise(e, args.steps, 0)["busy_ms"] for p, e in planes.items()})
         results.append(summary)
         cats = ", ".join(f"{k} {v:.3f}" for k, v in summary["categories_ms"].items())
-        print(f"[{args.label}] B={b} T={t}: {step_ms:.3f} ms/step back to back (weights bound {bound_ms:.2f}); "
-              f"traced: span {summary['span_ms']:.3f}, kernels busy {summary['busy_ms']:.3f}, idle "
-              f"{summary['idle_ms']:.3f} ms/step, {summary['kernels_per_step']:.0f} kernels/step; {cats}")
-        for k in summary["top_kernels"][:12]:
+        print(f"[{args.label}] B={b} T={t}: {step_ms:.3f} ms/step back to back (weights bound {bound_ms:.2f}), "
+              f"host in execute {summary['dispatch_ms']:.3f} ms/step; traced {first}: span "
+              f"{summary['span_ms']:.3f}, kernels busy {summary['busy_ms']:.3f}, idle {summary['idle_ms']:.3f} "
+              f"ms/step, {summary['kernels_per_step']:.0f} kernels/step; {cats}")
+        if len(planes) > 1:
+            print("    busy ms/step per device: " + ", ".join(
+                f"{p.rsplit(':', 1)[-1]} {v:.3f}" for p, v in sorted(summary["busy_ms_per_device"].items())))
+        for k in summary["top_kernels"]:
             print(f"    {k['ms_per_step']:7.3f} ms/step {k['calls_per_step']:6.1f}x {k['us_per_call']:8.1f} us  "
                   f"{k['name']}")
     write_json(args.output_json, {"args": vars(args), "results": results})

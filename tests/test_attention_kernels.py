@@ -65,6 +65,9 @@ CASES = [
     ("mixed_window_softcap", [1, 20, 3], [90, 20, 64], 4, 128, 16, jnp.bfloat16,
      dict(sliding_window=24, soft_cap=5.0)),
     ("long_decode_and_chunk", [1, 30], [300, 200], 4, 64, 32, jnp.bfloat16, {}),
+    # Default GPU tiles: the mixed bucket's decode launch splits its keys (2 splits) before the prefill
+    # launch writes into the merged output.
+    ("mixed_decode_splits", [1, 1, 24], [700, 5, 24], 4, 64, 16, jnp.float32, {}),
 ]
 # Small explicit tiles force many kv blocks, several kv splits (GPU) and q blocks shared by sequences.
 CONFIGS = {"gpu": gpu.GpuConfig(block_q=4, block_kv=32, num_kv_splits=3, num_warps=4, num_stages=1),
@@ -86,6 +89,8 @@ def test_kernel_matches_reference(impl, name, q_lens, kv_lens, group, head_dim, 
                      dtype=dtype)
     # Default tiles take the GPU's two-launch path (decodes and prefills apart) for mixed buckets.
     config = CONFIGS[impl] if name in ("mixed_gqa8_idle_slot", "long_decode_and_chunk") else None
+    if name == "mixed_decode_splits" and impl == "gpu":
+        assert gpu.tuned_config("decode", 5, 2, 4, page_size, 45 * page_size, 4).num_kv_splits == 2
     out = rpa.ragged_paged_attention(*args, sm_scale=head_dim**-0.5, impl=impl, interpret=True, config=config,
                                      **options)
     assert_matches_reference(out, args, sum(q_lens), sm_scale=head_dim**-0.5, **options)

@@ -271,7 +271,7 @@ def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
         return max(1, cfg.block_q * group // group_p)
 
     if config is None and num_tokens > 2 * num_seqs_max:
-        dec = dataclasses.replace(tuned("decode"), num_kv_splits=1)
+        dec = tuned("decode")  # its key splits are merged before the prefill launch writes into it
         pre = tuned("prefill")
         bq_dec, bq_pre = block_q_of(dec), block_q_of(pre)
         items = work_items(cu_q_lens, num_seqs, num_tokens, bq_dec, select="short", short_len=bq_dec,
