@@ -76,12 +76,31 @@ def run_steps(runner, inp, n: int) -> float:
     return dispatch * 1e3 / n
 
 
-def kernel_events(trace_dir: str) -> dict[str, list]:
-    """Per GPU plane: (name, start_ns, duration_ns) of every kernel/copy on its stream lines."""
+def load_trace(trace_dir: str):
     from jax.profiler import ProfileData
 
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
-    data = ProfileData.from_file(path)
+    return ProfileData.from_file(path)
+
+
+def host_events(data, steps: int, top_n: int) -> list[tuple[str, float, float]]:
+    """The host's busiest trace annotations: (name, ms per step, calls per step), nested ones included
+    (an outer annotation's time contains its children's); numbers in names are folded to '#'."""
+    total = collections.defaultdict(lambda: [0.0, 0])
+    for plane in data.planes:
+        if not plane.name.startswith("/host"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                entry = total[re.sub(r"\d+", "#", ev.name)[:100]]
+                entry[0] += ev.duration_ns
+                entry[1] += 1
+    top = sorted(total.items(), key=lambda kv: -kv[1][0])[:top_n]
+    return [(name, ns / 1e6 / steps, n / steps) for name, (ns, n) in top]
+
+
+def kernel_events(data) -> dict[str, list]:
+    """Per GPU plane: (name, start_ns, duration_ns) of every kernel/copy on its stream lines."""
     planes = {}
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
@@ -132,6 +151,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps traced (and 3x as many timed)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--top", type=int, default=12, help="kernels listed per step")
+    parser.add_argument("--host-events", type=int, default=0, help="also list the host's N busiest annotations")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default flags"))
@@ -163,7 +183,8 @@ def main() -> None:
         jax.profiler.start_trace(trace_dir)
         run_steps(engine.runner, inp, args.steps)
         jax.profiler.stop_trace()
-        planes = kernel_events(trace_dir)
+        data = load_trace(trace_dir)
+        planes = kernel_events(data)
         if not planes:
             raise SystemExit("profile_step.py: the trace has no GPU kernels (it reads GPU traces only)")
         first = sorted(planes)[0]
@@ -180,6 +201,9 @@ def main() -> None:
         if len(planes) > 1:
             print("    busy ms/step per device: " + ", ".join(
                 f"{p.rsplit(':', 1)[-1]} {v:.3f}" for p, v in sorted(summary["busy_ms_per_device"].items())))
+        summary["host_events"] = host_events(data, args.steps, args.host_events)
+        for name, ms, calls in summary["host_events"]:
+            print(f"    host {ms:7.3f} ms/step {calls:7.1f}x  {name}")
         for k in summary["top_kernels"]:
             print(f"    {k['ms_per_step']:7.3f} ms/step {k['calls_per_step']:6.1f}x {k['us_per_call']:8.1f} us  "
                   f"{k['name']}")
