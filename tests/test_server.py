@@ -196,3 +196,16 @@ def test_serve_cli_binds_loopback_by_default_and_checks_tensor_parallel_size_aga
     args = build_parser().parse_args(["serve", MODEL, "--tensor-parallel-size", "2"])  # this process has 1 device
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the number of devices \(1\)"):
         args.func(args)
+
+
+def test_serve_cli_bucket_lists_take_commas_or_spaces_and_reject_other_text(capsys):
+    from jengine.cli import build_parser
+    from jengine.entrypoints.serve import _joined
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", MODEL, "--token-buckets", "16,64", "256", "--seq-buckets", "8", "32"])
+    assert (_joined(args.token_buckets), _joined(args.seq_buckets)) == ((16, 64, 256), (8, 32))
+    assert _joined(parser.parse_args(["serve", MODEL]).token_buckets) is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", MODEL, "--token-buckets", "16,many"])
+    assert "expected comma-separated integers" in capsys.readouterr().err

@@ -29,6 +29,11 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _joined(lists: list[tuple[int, ...]] | None) -> tuple[int, ...] | None:
+    """`--token-buckets 8,64 256` -> (8, 64, 256)."""
+    return None if lists is None else tuple(x for part in lists for x in part)
+
+
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from jengine.cli import add_engine_args, add_multihost_args
 
@@ -42,10 +47,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JENGINE_API_KEY if set)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
-    p.add_argument("--token-buckets", type=_int_list, default=None,
-                   help="comma-separated token-count buckets to compile (default: derived)")
-    p.add_argument("--seq-buckets", type=_int_list, default=None,
-                   help="comma-separated sequence-count buckets to compile (default: derived)")
+    p.add_argument("--token-buckets", type=_int_list, nargs="+", default=None,
+                   help="token-count buckets to compile, comma- or space-separated (default: derived)")
+    p.add_argument("--seq-buckets", type=_int_list, nargs="+", default=None,
+                   help="sequence-count buckets to compile, comma- or space-separated (default: derived)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     add_engine_args(p)
@@ -81,7 +86,7 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("JENGINE_API_KEY") or None
     name = args.served_model_name or args.model
     kwargs = engine_kwargs(args)
-    kwargs.update(token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
+    kwargs.update(token_buckets=_joined(args.token_buckets), seq_buckets=_joined(args.seq_buckets))
     engine = _build_engine(EngineConfig(model=args.model, **kwargs))
     # /v1/embeddings must not compile while serving (data-parallel replicas embed on replica 0)
     embedding_programs = pooling.warmup(getattr(engine, "replicas", [engine])[0])
