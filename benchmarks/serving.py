@@ -5,7 +5,9 @@
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate inf --dataset chat-like
 
 Requests arrive as a Poisson process at --request-rate (inf: all at once), at most --max-concurrency in
-flight. Each asks for its output length with ignore_eos, streams, and also asks for logprobs=0 so every
+flight; several --max-concurrency values run the same requests once per value against one server (a
+sweep: one summary each, and with --plot a throughput / latency vs concurrency PNG beside the CDFs).
+Each asks for its output length with ignore_eos, streams, and also asks for logprobs=0 so every
 token produces a chunk even for models without a tokenizer (the dummy presets). Reports TTFT, TPOT
 (per request: (latency - TTFT) / (tokens - 1)), ITL (gaps between chunks), E2E: mean / p50 / p99, request
 throughput, output tok/s and goodput (requests/s meeting every --goodput SLO, e.g. ttft:500 tpot:50).
@@ -150,21 +152,52 @@ def summarise(results: list[dict], duration: float, slos: dict[str, float]) -> d
     return summary
 
 
-def plot_cdfs(results: list[dict], path: str, title: str) -> None:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in results if r["ok"]]
-    series = {"TTFT": [r["ttft"] for r in ok], "TPOT": [r["tpot"] for r in ok if r["tpot"] is not None],
-              "ITL": [x for r in ok for x in r["itl"]]}
+    return plt
+
+
+def plot_cdfs(runs: list[tuple[str, list[dict]]], path: str, title: str) -> None:
+    """TTFT / TPOT / ITL CDFs, one curve per (label, results) run."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, (name, values) in zip(axes, series.items()):
-        v = np.sort(np.asarray(values) * 1e3)
-        ax.plot(v, np.arange(1, len(v) + 1) / max(1, len(v)))
-        ax.set_xlabel(f"{name} (ms)")
-        ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of tokens")
+    for label, results in runs:
+        ok = [r for r in results if r["ok"]]
+        series = {"TTFT": [r["ttft"] for r in ok], "TPOT": [r["tpot"] for r in ok if r["tpot"] is not None],
+                  "ITL": [x for r in ok for x in r["itl"]]}
+        for ax, (name, values) in zip(axes, series.items()):
+            v = np.sort(np.asarray(values) * 1e3)
+            ax.plot(v, np.arange(1, len(v) + 1) / max(1, len(v)), label=label)
+            ax.set_xlabel(f"{name} (ms)")
+            ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of tokens")
+            ax.grid(True, alpha=0.3)
+    if len(runs) > 1:
+        axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def plot_sweep(sweep: list[dict], path: str, title: str) -> None:
+    """Output tok/s and mean / p99 TPOT and TTFT against the concurrency cap."""
+    plt = _pyplot()
+    x = [row["max_concurrency"] for row in sweep]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(x, [row["output_tok_s"] for row in sweep], marker="o")
+    axes[0].set_ylabel("output tok/s")
+    for ax, metric in zip(axes[1:], ("tpot", "ttft")):
+        for stat in ("mean", "p99"):
+            ax.plot(x, [row[f"{metric}_{stat}_ms"] for row in sweep], marker="o", label=stat)
+        ax.set_ylabel(f"{metric.upper()} (ms)")
+        ax.legend()
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max concurrency")
         ax.grid(True, alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
@@ -183,14 +216,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-model-len", type=int, default=2048, help="clips chat-like lengths")
     add_dataset_flags(parser, num_prompts=1000, input_len=512, output_len=256)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson; inf = all at once")
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--max-concurrency", type=int, nargs="+", default=None,
+                        help="requests in flight at most; several values: one run each (a sweep)")
     parser.add_argument("--goodput", nargs="*", default=[], help="SLOs in ms: ttft:MS tpot:MS e2el:MS")
     parser.add_argument("--no-token-logprobs", dest="token_logprobs", action="store_false",
                         help="do not ask for logprobs=0 (then chunks follow text deltas only)")
-    parser.add_argument("--plot", default=None, help="write TTFT/TPOT/ITL CDFs to this PNG (matplotlib)")
+    parser.add_argument("--plot", default=None, help="write TTFT/TPOT/ITL CDFs to this PNG (matplotlib); "
+                        "a sweep also writes <name>_sweep.png")
     parser.add_argument("--output-json", default=None)
     args, server_args = parser.parse_known_args(argv)
     slos = parse_goodput(args.goodput)
+    caps = args.max_concurrency or [None]
+    if any(c is not None and c < 1 for c in caps):
+        parser.error(f"--max-concurrency values must be positive integers, got {args.max_concurrency}")
 
     proc = None
     if args.launch_server:
@@ -207,25 +245,35 @@ def main(argv: list[str] | None = None) -> dict:
                      "stream": True, "stream_options": {"include_usage": True},
                      **({"logprobs": 0, "return_tokens_as_token_ids": True} if args.token_logprobs else {})}
                     for p, o in requests]
-        print(f"{len(payloads)} requests ({args.dataset}), rate {args.request_rate} req/s, "
-              f"max concurrency {args.max_concurrency or 'unlimited'} -> {url}")
-        results, duration = asyncio.run(run_load(url, payloads, args.request_rate, args.max_concurrency, args.seed))
+        runs = []
+        for cap in caps:
+            print(f"{len(payloads)} requests ({args.dataset}), rate {args.request_rate} req/s, "
+                  f"max concurrency {cap or 'unlimited'} -> {url}")
+            runs.append((cap, *asyncio.run(run_load(url, payloads, args.request_rate, cap, args.seed))))
     finally:
         if proc is not None:
             stop_server(proc)
-    summary = summarise(results, duration, slos)
-    errors = [r["error"] for r in results if not r["ok"]]
-    if errors:
-        print(f"{len(errors)} requests failed, first: {errors[0]}")
-    print(f"duration {duration:.2f}s: {summary['request_throughput']:.2f} req/s, "
-          f"{summary['output_tok_s']:.0f} output tok/s" +
-          (f", goodput {summary['goodput_req_s']:.2f} req/s" if slos else ""))
-    print_table([{"metric": m, **{k: summary[f"{m}_{k}_ms"] for k in ("mean", "p50", "p99", "max")}}
-                 for m in ("ttft", "tpot", "itl", "e2el")], ["metric", "mean", "p50", "p99", "max"])
+    sweep = []
+    for cap, results, duration in runs:
+        summary = summarise(results, duration, slos)
+        sweep.append({"max_concurrency": cap, **summary})
+        errors = [r["error"] for r in results if not r["ok"]]
+        if errors:
+            print(f"{len(errors)} requests failed, first: {errors[0]}")
+        print(f"max concurrency {cap or 'unlimited'}: duration {duration:.2f}s: "
+              f"{summary['request_throughput']:.2f} req/s, {summary['output_tok_s']:.0f} output tok/s" +
+              (f", goodput {summary['goodput_req_s']:.2f} req/s" if slos else ""))
+        print_table([{"metric": m, **{k: summary[f"{m}_{k}_ms"] for k in ("mean", "p50", "p99", "max")}}
+                     for m in ("ttft", "tpot", "itl", "e2el")], ["metric", "mean", "p50", "p99", "max"])
     if args.plot:
-        plot_cdfs(results, args.plot, f"{args.model}, rate {args.request_rate}, {len(results)} requests")
-    payload = {"env": environment(), "args": {**vars(args), "server_args": server_args}, "result": summary,
-               "requests": [{k: r[k] for k in ("ok", "latency", "ttft", "tokens")} for r in results]}
+        title = f"{args.model}, rate {args.request_rate}, {len(payloads)} requests"
+        plot_cdfs([(f"concurrency {cap or 'unlimited'}", results) for cap, results, _ in runs], args.plot, title)
+        if len(runs) > 1:
+            plot_sweep(sweep, os.path.splitext(args.plot)[0] + "_sweep.png", title)
+    last_results = runs[-1][1]
+    payload = {"env": environment(), "args": {**vars(args), "server_args": server_args}, "result": sweep[-1],
+               "sweep": sweep if len(sweep) > 1 else None,
+               "requests": [{k: r[k] for k in ("ok", "latency", "ttft", "tokens")} for r in last_results]}
     write_json(args.output_json, payload)
     return payload
 
