@@ -30,6 +30,16 @@ def copy_fixture(src: str, tmp_path) -> str:
     return dst
 
 
+def edit_config(model_dir: str, **changes) -> dict:
+    """Apply `changes` to the checkpoint's config.json; returns the config as it was before."""
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**raw, **changes}, f)
+    return raw
+
+
 @functools.cache
 def reference(path: str = LLAMA):
     """The fixture loaded as float32 (cached: several tests compare against it)."""
@@ -82,11 +92,7 @@ def test_wrong_shape_tensor_is_named_with_both_shapes(tmp_path):
 
 def test_config_disagreeing_with_checkpoint_reports_shapes(tmp_path):
     model = copy_fixture(LLAMA, tmp_path)
-    with open(os.path.join(model, "config.json")) as f:
-        raw = json.load(f)
-    raw["vocab_size"] = 300
-    with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump(raw, f)
+    edit_config(model, vocab_size=300)
     with pytest.raises(ValueError, match=r"tensor 'model\.embed_tokens\.weight' has shape \(256, 64\), "
                                          r"but config\.json implies \(300, 64\)"):
         loader.load_model(model)
@@ -149,11 +155,7 @@ def test_unsupported_load_format_is_named(load_format):
 
 def test_unknown_architecture_fails_before_reading_weights(tmp_path):
     model = copy_fixture(LLAMA, tmp_path)
-    with open(os.path.join(model, "config.json")) as f:
-        raw = json.load(f)
-    raw["architectures"] = ["FalconForCausalLM"]
-    with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump(raw, f)
+    edit_config(model, architectures=["FalconForCausalLM"])
     with pytest.raises(ValueError, match="architecture 'FalconForCausalLM' is not supported; supported: Llama"):
         loader.load_model(model)
 
@@ -270,12 +272,7 @@ def test_orbax_checkpoint_with_other_shapes_is_rejected(tmp_path):
     loader.convert_to_orbax(LLAMA, out, dtype="bfloat16")
     _, params = loader.load_model(out, dtype="float32")  # stored bf16, cast on load
     assert params["embed"].dtype == jnp.float32
-    with open(os.path.join(out, "config.json")) as f:
-        raw = json.load(f)
-    assert raw["dtype"] == "bfloat16"
-    raw["intermediate_size"] = 96
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(raw, f)
+    assert edit_config(out, intermediate_size=96)["dtype"] == "bfloat16"
     with pytest.raises(ValueError, match=r"Orbax param 'layers\.0\.gate_up' has shape \(64, 256\), "
                                          r"but config\.json implies \(64, 192\)"):
         loader.load_model(out)

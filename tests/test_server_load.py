@@ -125,18 +125,11 @@ _FUZZ = settings(max_examples=50, deadline=None, derandomize=True, database=None
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
+@pytest.mark.parametrize("junk", [False, True], ids=["well_typed", "ill_typed"])
 @_FUZZ
-@given(path_body=_bodies(junk=False))
-def test_fuzzed_well_typed_bodies_never_get_a_5xx(server, path_body):
-    path, body = path_body
-    _check(httpx.post(f"{server.url}{path}", content=json.dumps(body), timeout=60,
-                      headers={"content-type": "application/json"}))
-
-
-@_FUZZ
-@given(path_body=_bodies(junk=True))
-def test_fuzzed_ill_typed_bodies_never_get_a_5xx(server, path_body):
-    path, body = path_body
+@given(data=st.data())
+def test_fuzzed_bodies_never_get_a_5xx(server, junk, data):
+    path, body = data.draw(_bodies(junk=junk))
     _check(httpx.post(f"{server.url}{path}", content=json.dumps(body), timeout=60,
                       headers={"content-type": "application/json"}))
 
