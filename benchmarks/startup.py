@@ -4,7 +4,8 @@
 
 Runs a child process twice (cold: a fresh temporary `compilation_cache_dir`; warm: the same dir again).
 Each child builds the engine, generates one token, and reports the wall time from just before the parent
-spawned it to that token. It then runs a short randomised workload (prompt lengths, output lengths and
+spawned it to that token, split into phases (process start, imports, GPU client, engine constructor and its
+own phases, first request). It then runs a short randomised workload (prompt lengths, output lengths and
 sampling options drawn at random) and counts the XLA compilations that happen after warm-up (the goal
 is 0), with the listener tests/test_no_recompile.py uses. startup_programs counts the programs built
 during start-up (compiled, or loaded from the persistent cache: startup_cache_hits).
@@ -45,18 +46,23 @@ def random_params(rng: random.Random, max_tokens: int):
 
 def child(args) -> None:
     """One measured process: engine, first token, then the randomised workload under the compile counter."""
+    marks = {"entry": time.time()}  # interpreter start and this script's imports end here
     import jax
 
-    from jengine import SamplingParams
+    from jengine import SamplingParams  # jengine sets its XLA flags at import, before the backend starts
 
+    marks["imports"] = time.time()
+    jax.devices()
+    marks["backend"] = time.time()
     if args.cache_min_compile_secs is not None:  # set before the engine, which then leaves it alone
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_secs)
     with CompileCounter() as startup_compiles:
         llm = build_llm(args, compilation_cache_dir=args.cache_dir)
+        marks["engine"] = time.time()
         vocab = llm.engine.model_config.vocab_size
         llm.generate([[101, 102, 103, 104]], SamplingParams(max_tokens=1), use_tqdm=False)
-        first_token = time.time()
+        first_token = marks["first_token"] = time.time()
     rng = random.Random(args.seed)
     max_prompt = max(1, min(args.workload_max_prompt, args.max_model_len - args.workload_max_tokens))
     with CompileCounter() as later:
@@ -64,7 +70,9 @@ def child(args) -> None:
             n = rng.randint(1, args.workload_requests)
             prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(1, max_prompt))] for _ in range(n)]
             llm.generate(prompts, [random_params(rng, args.workload_max_tokens) for _ in prompts], use_tqdm=False)
-    print(_MARK + json.dumps({"first_token_wall": first_token, "engine_startup_s": llm.engine.startup_seconds,
+    print(_MARK + json.dumps({"first_token_wall": first_token, "marks": marks,
+                              "engine_startup_s": llm.engine.startup_seconds,
+                              "engine_phases": llm.engine.startup_phases,
                               "buckets": llm.engine.num_compiled_buckets, "startup_programs": startup_compiles.count,
                               "startup_cache_hits": startup_compiles.cache_hits,
                               "compilations_after_warmup": later.count}), flush=True)
@@ -80,6 +88,10 @@ def run_child(argv: list[str], cache_dir: str, timeout: float) -> dict:
         raise SystemExit(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     result = json.loads(line[len(_MARK):])
     result["first_token_s"] = result.pop("first_token_wall") - spawn
+    # seconds per phase: process start + script imports, jax + jengine imports, GPU client, engine, first request
+    marks, last = result.pop("marks"), spawn
+    for name in ("entry", "imports", "backend", "engine", "first_token"):
+        result[f"{name}_s"], last = marks[name] - last, marks[name]
     return result
 
 
@@ -120,6 +132,12 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(cache_dir, ignore_errors=True)
     print_table(rows, ["cache", "first_token_s", "engine_startup_s", "buckets", "startup_programs",
                        "startup_cache_hits", "compilations_after_warmup", "cache_files"])
+    print("seconds per phase (process start and script imports / jax and jengine imports / GPU client / "
+          "engine constructor / first request; the constructor's own phases after it):")
+    for row in rows:
+        phases = " / ".join(f"{row[f'{n}_s']:.1f}" for n in ("entry", "imports", "backend", "engine", "first_token"))
+        inner = ", ".join(f"{k} {v:.1f}" for k, v in row["engine_phases"].items())
+        print(f"  {row['cache']}: {phases}  ({inner})")
     payload = {"env": environment(), "args": vars(args), "results": rows}
     write_json(args.output_json, payload)
     return payload

@@ -54,6 +54,18 @@ class _Group:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position; [0] is None
 
 
+class _Phases:
+    """Seconds spent in each named phase since the last mark (the engine constructor's breakdown)."""
+
+    def __init__(self, t0: float):
+        self.last, self.seconds = t0, {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self.last
+        self.last = now
+
+
 class LLMEngine:
     """Owns the model runner, the scheduler and the tokenizer; turns requests into outputs."""
 
@@ -68,17 +80,21 @@ class LLMEngine:
                              "replicas run behind LLM(...) and jengine serve (jengine.data_parallel)")
         config.check_tensor_parallel(None, jax.device_count())
         mesh = make_mesh(tp, devices)
+        phases = _Phases(t0)
         self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
                                                seed=config.seed, mesh=mesh)
         self.config = config.resolve(self.model_config, jax.default_backend(), jax.device_count())
         cfg, ecfg = self.model_config, self.config
+        phases.mark("weights")
         self.tokenizer = load_tokenizer(ecfg.model)
+        phases.mark("tokenizer")
         device_cfg = sharded_model_config(cfg, tp)  # KV heads replicated when tp exceeds them
         log_memory(f"weights per device (tensor_parallel_size={tp})", params)
         num_pages = num_device_pages(device_cfg, ecfg, cfg.dtype, tp=tp)
         num_cpu_pages = num_host_pages(device_cfg, ecfg, cfg.dtype)
         self.runner = ModelRunner(device_cfg, ecfg, params, num_pages, num_cpu_pages, mesh=mesh)
         log_memory("KV cache per device", self.runner.kv_caches)
+        phases.mark("kv_cache")
         self.scheduler = Scheduler(
             num_blocks=num_pages, block_size=ecfg.block_size, max_num_batched_tokens=ecfg.max_num_batched_tokens,
             max_num_seqs=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len, eos_token_ids=cfg.eos_token_ids,
@@ -88,7 +104,11 @@ class LLMEngine:
         logger.info("KV cache: %d pages of %d tokens (%d tokens), %d host pages", num_pages, ecfg.block_size,
                     self.kv_cache_tokens, num_cpu_pages)
         self.num_compiled_buckets = self.runner.warmup(progress) if warmup else 0
+        phases.mark("compile")
         self.startup_seconds = time.perf_counter() - t0
+        self.startup_phases = phases.seconds  # where the constructor's time went, for start-up reports
+        logger.info("engine start-up %.1fs: %s", self.startup_seconds,
+                    ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_phases.items()))
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, str] = {}
         self._rng_counter = 0
