@@ -62,7 +62,7 @@ def child(args) -> None:
         marks["engine"] = time.time()
         vocab = llm.engine.model_config.vocab_size
         llm.generate([[101, 102, 103, 104]], SamplingParams(max_tokens=1), use_tqdm=False)
-        first_token = marks["first_token"] = time.time()
+        first_token = marks["request"] = time.time()
     rng = random.Random(args.seed)
     max_prompt = max(1, min(args.workload_max_prompt, args.max_model_len - args.workload_max_tokens))
     with CompileCounter() as later:
@@ -90,7 +90,7 @@ def run_child(argv: list[str], cache_dir: str, timeout: float) -> dict:
     result["first_token_s"] = result.pop("first_token_wall") - spawn
     # seconds per phase: process start + script imports, jax + jengine imports, GPU client, engine, first request
     marks, last = result.pop("marks"), spawn
-    for name in ("entry", "imports", "backend", "engine", "first_token"):
+    for name in ("entry", "imports", "backend", "engine", "request"):
         result[f"{name}_s"], last = marks[name] - last, marks[name]
     return result
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("seconds per phase (process start and script imports / jax and jengine imports / GPU client / "
           "engine constructor / first request; the constructor's own phases after it):")
     for row in rows:
-        phases = " / ".join(f"{row[f'{n}_s']:.1f}" for n in ("entry", "imports", "backend", "engine", "first_token"))
+        phases = " / ".join(f"{row[f'{n}_s']:.1f}" for n in ("entry", "imports", "backend", "engine", "request"))
         inner = ", ".join(f"{k} {v:.1f}" for k, v in row["engine_phases"].items())
         print(f"  {row['cache']}: {phases}  ({inner})")
     payload = {"env": environment(), "args": vars(args), "results": rows}
