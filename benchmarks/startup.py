@@ -49,7 +49,8 @@ def child(args) -> None:
     marks = {"entry": time.time()}  # interpreter start and this script's imports end here
     import jax
 
-    from jengine import SamplingParams  # jengine sets its XLA flags at import, before the backend starts
+    import jengine.llm  # noqa: F401  (the engine's imports; jengine sets its XLA flags at import)
+    from jengine import SamplingParams
 
     marks["imports"] = time.time()
     jax.devices()

@@ -1,15 +1,15 @@
 """Tokenizers: a model directory's own (through transformers), or the built-in byte-level one.
 
 The built-in tokenizer maps each UTF-8 byte to one id (0-255) and adds a few special tokens, so the
-default preset runs on a fresh machine with nothing to download.
+default preset runs on a fresh machine with nothing to download. transformers is imported only when a
+tokenizer is built: where torch is installed, importing it takes seconds of start-up (H200 host,
+benchmarks/startup.py), which a model without a tokenizer should not pay.
 """
 
 from __future__ import annotations
 
 import json
 import os
-
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from jengine.presets import resolve_model
 
@@ -29,6 +29,8 @@ def load_tokenizer(model: str):
         if json.load(f).get("jengine_tokenizer") == "bytes":
             return byte_tokenizer()
     if any(os.path.exists(os.path.join(model_dir, name)) for name in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return None
 
@@ -46,9 +48,11 @@ def _byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: ids 0-255 are bytes, 256.. the special tokens in BYTE_SPECIALS."""
+def byte_tokenizer():
+    """Byte-level tokenizer (a transformers `PreTrainedTokenizerFast`): ids 0-255 are bytes, 256.. the
+    special tokens in BYTE_SPECIALS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {ch: b for b, ch in _byte_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -114,3 +116,12 @@ def test_directory_with_tokenizer_json_loads_it(tmp_path):
 def test_load_tokenizer_of_unknown_model_mentions_presets():
     with pytest.raises(ValueError, match="neither a local directory nor a built-in preset"):
         load_tokenizer("/no/such/model")
+
+
+def test_engine_imports_and_a_model_without_tokenizer_do_not_import_transformers():
+    # where torch is installed, importing transformers costs seconds of start-up
+    code = ("import sys; import jengine.llm; from jengine.tokenizer import load_tokenizer; "
+            f"assert load_tokenizer({os.path.join(FIXTURES_DIR, 'llama')!r}) is None; "
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
