@@ -122,8 +122,11 @@ def build_llm(args, label: str = "", **overrides):
 
     t0 = time.perf_counter()
     llm = LLM(args.model, use_tqdm_on_load=False, **engine_args(args, **overrides))
+    mem = getattr(llm.engine, "kv_cache_memory", None)
+    share = "" if mem is None else (f" = {mem['kv_bytes'] / 2**30:.1f} GiB, {100 * mem['kv_fraction_of_free']:.1f}% of "
+                                    f"the {mem['free_after_weights'] / 2**30:.1f} GiB free after the weights")
     print(f"{label}start-up {time.perf_counter() - t0:.1f}s ({llm.engine.num_compiled_buckets} buckets), "
-          f"KV cache {llm.engine.kv_cache_tokens} tokens")
+          f"KV cache {llm.engine.kv_cache_tokens} tokens{share}")
     return llm
 
 

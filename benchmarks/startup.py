@@ -74,6 +74,7 @@ def child(args) -> None:
     print(_MARK + json.dumps({"first_token_wall": first_token, "marks": marks,
                               "engine_startup_s": llm.engine.startup_seconds,
                               "engine_phases": llm.engine.startup_phases,
+                              "kv_cache_memory": llm.engine.kv_cache_memory,
                               "buckets": llm.engine.num_compiled_buckets, "startup_programs": startup_compiles.count,
                               "startup_cache_hits": startup_compiles.cache_hits,
                               "compilations_after_warmup": later.count}), flush=True)

@@ -18,7 +18,7 @@ import numpy as np
 from jengine.buckets import pick_bucket, seq_bucket
 from jengine.detokenizer import IncrementalDetokenizer
 from jengine.engine_config import EngineConfig
-from jengine.kv_cache import num_device_pages, num_host_pages
+from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.request import PLACEHOLDER, Request
@@ -52,6 +52,19 @@ class _Group:
     params: SamplingParams
     children: list[_Child]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position; [0] is None
+
+
+def _kv_memory_report(mem: dict | None, kv_caches) -> dict | None:
+    """Bytes of KV pages on one device against that device's memory (None without memory statistics)."""
+    if mem is None:
+        return None
+    kv = sum(x.addressable_shards[0].data.nbytes for x in kv_caches)
+    free = mem["limit"] - mem["in_use"]  # what JAX's allocator had left once the weights were placed
+    report = {"kv_bytes": kv, "free_after_weights": free, "device_total": mem["total"],
+              "kv_fraction_of_free": kv / free if free > 0 else 0.0}
+    logger.info("KV pages take %.1f GiB per device: %.1f%% of the %.1f GiB free after the weights (device %.1f GiB)",
+                kv / 2**30, 100 * report["kv_fraction_of_free"], free / 2**30, mem["total"] / 2**30)
+    return report
 
 
 class _Phases:
@@ -90,10 +103,14 @@ class LLMEngine:
         phases.mark("tokenizer")
         device_cfg = sharded_model_config(cfg, tp)  # KV heads replicated when tp exceeds them
         log_memory(f"weights per device (tensor_parallel_size={tp})", params)
-        num_pages = num_device_pages(device_cfg, ecfg, cfg.dtype, tp=tp)
+        device = None if mesh is None else next(
+            (d for d in mesh.devices.flat if d.process_index == jax.process_index()), None)
+        mem = device_memory(device)
+        num_pages = num_device_pages(device_cfg, ecfg, cfg.dtype, device=device, tp=tp)
         num_cpu_pages = num_host_pages(device_cfg, ecfg, cfg.dtype)
         self.runner = ModelRunner(device_cfg, ecfg, params, num_pages, num_cpu_pages, mesh=mesh)
         log_memory("KV cache per device", self.runner.kv_caches)
+        self.kv_cache_memory = _kv_memory_report(mem, self.runner.kv_caches)
         phases.mark("kv_cache")
         self.scheduler = Scheduler(
             num_blocks=num_pages, block_size=ecfg.block_size, max_num_batched_tokens=ecfg.max_num_batched_tokens,

@@ -7,6 +7,7 @@ fixed number of pages (`PAGE_CHUNK`), padded by repeating the last id, so they c
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jengine.kernels_pallas.ragged_paged_attention import kv_cache_shape
 
 PAGE_CHUNK = 8
 _CPU_DEFAULT_BYTES = 256 << 20  # no memory statistics on the CPU backend: a modest fixed pool
+JAX_MEM_FRACTION = 0.75  # JAX's own default for XLA_PYTHON_CLIENT_MEM_FRACTION
 
 
 def page_bytes(cfg: ModelConfig, block_size: int, dtype) -> int:
@@ -33,17 +35,34 @@ def activation_reserve(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> int:
     return 2 * tokens * width * jnp.dtype(dtype).itemsize + 4 * ecfg.max_num_seqs * cfg.vocab_size * 4
 
 
-def num_device_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, device=None, tp: int = 1) -> int:
-    """How many pages fit in `gpu_memory_utilization` of the device after weights and temporaries.
-
-    Under tensor parallelism (`tp` devices, `cfg` with the KV heads the devices hold) each device
-    holds 1/tp of every page."""
-    if ecfg.num_gpu_blocks_override:
-        return ecfg.num_gpu_blocks_override
+def device_memory(device=None) -> dict | None:
+    """The device's memory as the engine sizes against it: `limit` (the bytes JAX's allocator may
+    hand out), `in_use`, and `total` (the device's memory: limit / XLA_PYTHON_CLIENT_MEM_FRACTION).
+    None on backends without memory statistics (CPU)."""
     device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        budget = int(stats["bytes_limit"] * ecfg.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
+    if not stats or "bytes_limit" not in stats:
+        return None
+    limit = int(stats["bytes_limit"])
+    try:
+        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEM_FRACTION))
+    except ValueError:
+        fraction = JAX_MEM_FRACTION
+    total = int(limit / fraction) if 0 < fraction <= 1 else limit
+    return {"total": total, "limit": limit, "in_use": int(stats.get("bytes_in_use", 0))}
+
+
+def num_device_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, device=None, tp: int = 1) -> int:
+    """How many pages fit in `gpu_memory_utilization` of the device's memory after weights and temporaries.
+
+    As in vLLM, the fraction is of the device's whole memory (weights, temporaries and KV pages
+    together), capped by what JAX's allocator holds. Under tensor parallelism (`tp` devices, `cfg`
+    with the KV heads the devices hold) each device holds 1/tp of every page."""
+    if ecfg.num_gpu_blocks_override:
+        return ecfg.num_gpu_blocks_override
+    mem = device_memory(device)
+    if mem is not None:
+        budget = min(int(mem["total"] * ecfg.gpu_memory_utilization), mem["limit"]) - mem["in_use"]
         budget -= activation_reserve(cfg, ecfg, dtype)
         pages = budget // (page_bytes(cfg, ecfg.block_size, dtype) // tp)
     else:  # host memory: a modest pool, never more than every sequence at full length needs

@@ -90,7 +90,7 @@ def test_kernel_matches_reference(impl, name, q_lens, kv_lens, group, head_dim, 
     # Default tiles take the GPU's two-launch path (decodes and prefills apart) for mixed buckets.
     config = CONFIGS[impl] if name in ("mixed_gqa8_idle_slot", "long_decode_and_chunk") else None
     if name == "mixed_decode_splits" and impl == "gpu":
-        assert gpu.tuned_config("decode", 5, 2, 4, page_size, 45 * page_size, 4).num_kv_splits == 2
+        assert gpu.tuned_config("decode", 5, 2, 4, page_size, 45 * page_size, 4).num_kv_splits == 4
     out = rpa.ragged_paged_attention(*args, sm_scale=head_dim**-0.5, impl=impl, interpret=True, config=config,
                                      **options)
     assert_matches_reference(out, args, sum(q_lens), sm_scale=head_dim**-0.5, **options)

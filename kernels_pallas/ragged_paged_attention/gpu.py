@@ -44,6 +44,10 @@ TUNED = {
     # decode: B=64 x 2k ctx 203 us with one stage and 8 warps; two stages 251 us (shared memory caps
     # occupancy), 2 warps 327 us, block_kv 64 253 us, 256 229 us.
     "decode": dict(rows=16, block_kv=128, num_warps=8, num_stages=1),
+    # decode with few (sequence, kv head) programs, at most half the SMs (batch-1 steps: 8 sequence rows
+    # x 8 kv heads): 64-key blocks in 4 warps give 4 key splits per program instead of 2; in the 8B
+    # step at 128-384 tokens of context this was 0.07-0.11 ms faster per step (benchmarks/RESULTS.md).
+    "decode_few": dict(rows=16, block_kv=64, num_warps=4, num_stages=1),
     # prefill: causal 4k tokens 501 us; rows 64/256 or block_kv 64 or 4 warps were slower.
     "prefill": dict(rows=128, block_kv=128, num_warps=8, num_stages=3),
 }
@@ -53,7 +57,8 @@ NUM_SMS = 132
 def tuned_config(kind: str, num_seqs: int, num_kv_heads: int, group: int, page_size: int,
                  max_kv_len: int, itemsize: int = 2) -> GpuConfig:
     """Tile sizes for a "decode" or "prefill" launch, from static shapes only."""
-    t = TUNED[kind]
+    few = kind == "decode" and num_seqs * num_kv_heads <= NUM_SMS // 2
+    t = TUNED["decode_few" if few else kind]
     block_q = max(1, t["rows"] // group)
     # f32 tiles take twice the shared memory: halve the key block and drop pipelining (the table is
     # for 2-byte types; an f32 prefill tile overflowed the H200's 227 KiB).

@@ -1,0 +1,80 @@
+"""Sizing the KV pool from device memory: gpu_memory_utilization is a fraction of the whole device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jengine.config import ModelConfig
+from jengine.engine_config import EngineConfig
+from jengine.kv_cache import activation_reserve, device_memory, num_device_pages, page_bytes
+from jengine.presets import resolve_model
+
+GB = 10**9
+
+
+class FakeDevice:
+    def __init__(self, limit, in_use):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+
+def configs(util=0.9):
+    model_dir, _ = resolve_model("jengine/tiny-llama")
+    cfg = ModelConfig.from_model_dir(model_dir)
+    ecfg = EngineConfig(model="jengine/tiny-llama", max_model_len=256, gpu_memory_utilization=util)
+    ecfg = ecfg.resolve(cfg, "gpu", 1)
+    return cfg, ecfg
+
+
+@pytest.mark.parametrize("util", [0.5, 0.9])
+def test_budget_is_a_fraction_of_the_whole_device(monkeypatch, util):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    cfg, ecfg = configs(util)
+    device = FakeDevice(limit=92 * GB, in_use=10 * GB)  # a 100 GB device
+    assert device_memory(device) == {"total": 100 * GB, "limit": 92 * GB, "in_use": 10 * GB}
+    expected = (int(100 * GB * util) - 10 * GB - activation_reserve(cfg, ecfg, cfg.dtype)) // page_bytes(
+        cfg, ecfg.block_size, cfg.dtype)
+    assert num_device_pages(cfg, ecfg, cfg.dtype, device=device) == expected
+
+
+def test_budget_never_exceeds_what_the_allocator_holds(monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    cfg, ecfg = configs(0.9)
+    device = FakeDevice(limit=50 * GB, in_use=10 * GB)  # 0.9 of the 100 GB device is beyond the 50 GB pool
+    expected = (40 * GB - activation_reserve(cfg, ecfg, cfg.dtype)) // page_bytes(cfg, ecfg.block_size, cfg.dtype)
+    assert num_device_pages(cfg, ecfg, cfg.dtype, device=device) == expected
+
+
+@pytest.mark.parametrize("value", [None, "junk", "0"])
+def test_unset_or_unusable_fraction_falls_back_to_jax_default(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    else:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", value)
+    total = device_memory(FakeDevice(limit=75 * GB, in_use=0))["total"]
+    assert total == (100 * GB if value != "0" else 75 * GB)
+
+
+def test_too_little_memory_names_the_remedies(monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    cfg, ecfg = configs(0.9)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        num_device_pages(cfg, ecfg, cfg.dtype, device=FakeDevice(limit=92 * 10**6, in_use=90 * 10**6))
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, "0.92"),
+    ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, "0.5"),
+    ({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, None),
+])
+def test_import_sets_the_allocator_fraction_only_when_unconfigured(env, expected):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
+    code = "import os, jengine; print(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))"
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(expected)
