@@ -121,18 +121,24 @@ def summarise(events, steps: int, top_n: int = 20) -> dict:
         per_kernel[name][0] += dur
         per_kernel[name][1] += 1
     intervals = sorted((s, s + d) for _, s, d in events)
-    busy, end = 0.0, -1.0
+    busy, end, gaps = 0.0, None, []
     for s, e in intervals:
-        if e <= end:
+        if end is not None and e <= end:
             continue
-        busy += e - max(s, end)
+        if end is not None and s > end:
+            gaps.append(s - end)
+        busy += e - (s if end is None else max(s, end))
         end = e
+    # The host's time not hidden behind the device shows as gaps at step boundaries; the `steps` largest
+    # gaps bound it (the rest of `idle` is the ordinary spacing between back-to-back kernels).
+    gaps.sort(reverse=True)
     span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
     to_ms = lambda ns: ns / 1e6 / steps  # noqa: E731
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top_n]
     return {
         "kernels_per_step": len(events) / steps,
         "span_ms": to_ms(span), "busy_ms": to_ms(busy), "idle_ms": to_ms(span - busy),
+        "largest_gap_ms": to_ms(sum(gaps[:steps])), "median_gap_us": gaps[len(gaps) // 2] / 1e3 if gaps else 0.0,
         "categories_ms": {k: to_ms(v) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n[:110], "ms_per_step": to_ms(t), "calls_per_step": c / steps,
                          "us_per_call": t / c / 1e3} for n, (t, c) in top],
@@ -197,7 +203,8 @@ def main() -> None:
         print(f"[{args.label}] B={b} T={t}: {step_ms:.3f} ms/step back to back (weights bound {bound_ms:.2f}), "
               f"host in execute {summary['dispatch_ms']:.3f} ms/step; traced {first}: span "
               f"{summary['span_ms']:.3f}, kernels busy {summary['busy_ms']:.3f}, idle {summary['idle_ms']:.3f} "
-              f"ms/step, {summary['kernels_per_step']:.0f} kernels/step; {cats}")
+              f"ms/step (largest gap per step {summary['largest_gap_ms']:.3f} ms, median gap "
+              f"{summary['median_gap_us']:.1f} us), {summary['kernels_per_step']:.0f} kernels/step; {cats}")
         if len(planes) > 1:
             print("    busy ms/step per device: " + ", ".join(
                 f"{p.rsplit(':', 1)[-1]} {v:.3f}" for p, v in sorted(summary["busy_ms_per_device"].items())))

@@ -109,3 +109,18 @@ def test_serving_sweeps_concurrency_against_one_server_and_plots(tmp_path):
     assert all(row["completed"] == 4 and row["output_tokens"] == 12 for row in data["sweep"])
     assert data["result"] == data["sweep"][-1]
     assert plot.stat().st_size > 0 and (tmp_path / "cdf_sweep.png").stat().st_size > 0
+
+
+def test_profile_summary_separates_step_boundary_gaps_from_kernel_spacing():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    from profile_step import summarise
+
+    # two steps (ns): kernels 1 ns apart inside a step, a 13 ns wait between the steps, one overlap
+    events = [("gemm_a", 0, 10), ("ragged_paged_attention", 11, 10), ("gemm_b", 15, 2),
+              ("gemm_a", 34, 10), ("loop_add_fusion", 45, 3)]
+    s = summarise(events, steps=2, top_n=2)
+    assert s["busy_ms"] * 2 == pytest.approx(33e-6) and s["idle_ms"] * 2 == pytest.approx(15e-6)
+    assert s["largest_gap_ms"] * 2 == pytest.approx(14e-6)  # the 13 ns boundary + the largest other gap
+    assert s["median_gap_us"] == pytest.approx(1e-3)
+    assert s["categories_ms"]["attention"] * 2 == pytest.approx(10e-6) and len(s["top_kernels"]) == 2
