@@ -109,9 +109,6 @@ class LLMEngine:
         num_pages = num_device_pages(device_cfg, ecfg, cfg.dtype, device=device, tp=tp)
         num_cpu_pages = num_host_pages(device_cfg, ecfg, cfg.dtype)
         self.runner = ModelRunner(device_cfg, ecfg, params, num_pages, num_cpu_pages, mesh=mesh)
-        log_memory("KV cache per device", self.runner.kv_caches)
-        self.kv_cache_memory = _kv_memory_report(mem, self.runner.kv_caches)
-        phases.mark("kv_cache")
         self.scheduler = Scheduler(
             num_blocks=num_pages, block_size=ecfg.block_size, max_num_batched_tokens=ecfg.max_num_batched_tokens,
             max_num_seqs=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len, eos_token_ids=cfg.eos_token_ids,
@@ -121,7 +118,10 @@ class LLMEngine:
         logger.info("KV cache: %d pages of %d tokens (%d tokens), %d host pages", num_pages, ecfg.block_size,
                     self.kv_cache_tokens, num_cpu_pages)
         self.num_compiled_buckets = self.runner.warmup(progress) if warmup else 0
-        phases.mark("compile")
+        self.runner.allocate_kv_cache()  # warm-up allocates it after compiling (autotuning needs the memory)
+        log_memory("KV cache per device", self.runner.kv_caches)
+        self.kv_cache_memory = _kv_memory_report(mem, self.runner.kv_caches)
+        phases.mark("compile")  # every program compiled, the KV cache allocated, one checking step
         self.startup_seconds = time.perf_counter() - t0
         self.startup_phases = phases.seconds  # where the constructor's time went, for start-up reports
         logger.info("engine start-up %.1fs: %s", self.startup_seconds,

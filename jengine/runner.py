@@ -191,7 +191,10 @@ class ModelRunner:
         self.cfg, self.ecfg, self.params, self.mesh = cfg, ecfg, params, mesh
         self.num_pages = num_pages
         cache_sharding = None if mesh is None else sharding.kv_cache_sharding(mesh)
-        self.kv_caches = kv_cache.allocate(cfg, num_pages, ecfg.block_size, cfg.dtype, cache_sharding)
+        self._cache_sharding = cache_sharding
+        # Allocated after warm-up's compilations (`allocate_kv_cache`): XLA's GEMM autotuning borrows
+        # device memory while compiling, which a cache sized to most of the free memory would not leave.
+        self.kv_caches: list[jax.Array] | None = None
         self.host_pool = kv_cache.HostPagePool(cfg, num_host_pages, ecfg.block_size, cfg.dtype)
         self.max_seqs = max(ecfg.seq_buckets)
         self.no_prev_ids = jnp.zeros((self.max_seqs,), jnp.int32)
@@ -208,6 +211,17 @@ class ModelRunner:
                                static_argnames=("layout", "filters", "random", "top_logprobs"), **smp)
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}  # filled by warmup(), in parallel
+
+    def allocate_kv_cache(self) -> None:
+        if self.kv_caches is None:
+            self.kv_caches = kv_cache.allocate(self.cfg, self.num_pages, self.ecfg.block_size, self.cfg.dtype,
+                                               self._cache_sharding)
+
+    def _kv_cache_specs(self) -> list[jax.ShapeDtypeStruct]:
+        shape = kv_cache.kv_cache_shape(self.num_pages, self.ecfg.block_size, self.cfg.num_key_value_heads,
+                                        self.cfg.head_dim)
+        spec = jax.ShapeDtypeStruct(shape, self.cfg.dtype, sharding=self._cache_sharding)
+        return [spec] * self.cfg.num_hidden_layers
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (T, S) pair a step can be padded to: S sequences need at least S tokens."""
@@ -260,14 +274,16 @@ class ModelRunner:
         """Compile every program before serving, `workers` at a time (XLA compiles without the GIL):
         the forward per (T, S) bucket, then sampling per S in each of its variants and prompt
         logprobs per T (their input shapes come from the compiled forwards), and the page moves.
-        Every step then runs an executable compiled here. Returns the number of buckets."""
+        Every step then runs an executable compiled here; the KV cache is allocated once they are
+        compiled. Returns the number of buckets."""
         buckets = self.buckets()
+        caches = self.kv_caches if self.kv_caches is not None else self._kv_cache_specs()
         workers = workers or max(1, min(16, os.cpu_count() or 1))
         bar = tqdm(total=len(buckets), desc="Compiling buckets", disable=not progress)
 
         def forward(bucket):
             ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
-            compiled = self._forward.lower(self.params, self.kv_caches, ints, floats, self.no_prev_ids,
+            compiled = self._forward.lower(self.params, caches, ints, floats, self.no_prev_ids,
                                            layout=layout).compile()
             bar.update()
             return ("forward", layout), compiled
@@ -296,6 +312,7 @@ class ModelRunner:
             self._compiled.update(pool.map(sample, jobs))
             self._compiled.update(pool.map(prompt_logprobs, [(h, t) for t, h in hidden_of.items()]))
         bar.close()
+        self.allocate_kv_cache()
         # one real step: checks that the executables run
         jax.block_until_ready(self.execute(self.dummy_input(*buckets[0]), prompt_logprobs=True))
         self.kv_caches = kv_cache.copy_pages(self.kv_caches, [(0, 0)])
