@@ -45,6 +45,23 @@ class PromptLogprobs(NamedTuple):
     topk_logprobs: jax.Array  # [T, MAX_LOGPROBS] f32
 
 
+# Steps of at least this many tokens compile their GEMMs with cuBLAS only; smaller ones let XLA's
+# autotuner also try its Triton GEMMs. On an H200 (8B, benchmarks/RESULTS.md, session 4) the autotuner
+# picks split-K Triton GEMMs at 64 tokens, faster alone but leaving f32 partial sums that the next
+# fusions reduce: cuBLAS made the 64-token decode step 6.03 -> 5.77 ms, and the 16-token step slower
+# (4.62 -> 4.84 ms).
+CUBLAS_GEMM_MIN_TOKENS = 64
+
+
+def forward_compiler_options(num_tokens: int) -> dict | None:
+    """XLA options for the forward program of a `num_tokens` bucket (None: the defaults). Only on GPUs,
+    and never over a choice the user made in XLA_FLAGS."""
+    if (jax.default_backend() != "gpu" or num_tokens < CUBLAS_GEMM_MIN_TOKENS
+            or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", "")):
+        return None
+    return {"xla_gpu_enable_triton_gemm": False}
+
+
 PROMPT_LOGPROBS_CHUNK = 256  # tokens whose [C, V] logits exist at once when prompt logprobs are asked for
 
 
@@ -284,7 +301,7 @@ class ModelRunner:
         def forward(bucket):
             ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
             compiled = self._forward.lower(self.params, caches, ints, floats, self.no_prev_ids,
-                                           layout=layout).compile()
+                                           layout=layout).compile(forward_compiler_options(bucket[0]))
             bar.update()
             return ("forward", layout), compiled
 
