@@ -22,6 +22,7 @@ import os
 import sys
 
 import numpy as np
+from common import release
 
 from jengine import LLM, SamplingParams
 
@@ -45,6 +46,7 @@ def run(args, tp: int) -> tuple[list, np.ndarray, np.ndarray]:
     logprobs = np.array([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                          for o in outs])
     prompt_lp = np.array([d[t].logprob for o, p in zip(outs, prompts) for d, t in zip(o.prompt_logprobs[1:], p[1:])])
+    release(llm)  # the next TP size's engine needs the device memory
     return tokens, logprobs, prompt_lp
 
 

@@ -124,3 +124,14 @@ def test_profile_summary_separates_step_boundary_gaps_from_kernel_spacing():
     assert s["largest_gap_ms"] * 2 == pytest.approx(14e-6)  # the 13 ns boundary + the largest other gap
     assert s["median_gap_us"] == pytest.approx(1e-3)
     assert s["categories_ms"]["attention"] * 2 == pytest.approx(10e-6) and len(s["top_kernels"]) == 2
+
+
+def test_tp_check_compares_tensor_parallel_with_one_device():
+    import subprocess
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "tp_check.py"), "--tensor-parallel-sizes", "2",
+                          "--max-tokens", "3"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["tp"] == 2 and row["tokens_equal"] and row["max_logprob_diff"] < 1e-3
