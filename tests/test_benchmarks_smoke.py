@@ -135,3 +135,15 @@ def test_tp_check_compares_tensor_parallel_with_one_device():
     assert out.returncode == 0, out.stderr[-2000:]
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["tp"] == 2 and row["tokens_equal"] and row["max_logprob_diff"] < 1e-3
+
+
+def test_kernels_bench_times_net_of_program_cost(tmp_path):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import kernels
+
+    out = tmp_path / "k.json"
+    kernels.main(["--impl", "reference", "--mode", "decode", "--batch", "8", "--ctx", "2048", "--calls", "4",
+                  "--no-bundled", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["mode"], row["batch"], row["ctx"]) == ("decode", 8, 2048) and row["us"] > 0
