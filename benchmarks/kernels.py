@@ -193,7 +193,9 @@ def main(argv=None):
                    "'block_q,block_kv,splits,warps,stages' to time side by side (default: the table)")
     p.add_argument("--max-tokens", type=int, default=65536, help="skip prefill shapes with more q tokens")
     p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")
-    p.add_argument("--calls", type=int, default=10, help="kernel calls in the shorter of the two timed programs (100+ for kernels under ~50 us: the difference of two programs is noisy below that)")
+    p.add_argument("--calls", type=int, default=10,
+                   help="kernel calls in the shorter of the two timed programs (100+ for kernels under ~50 us: "
+                        "the difference of two programs is noisy below that)")
     p.add_argument("--no-bundled", action="store_true", help="skip JAX's bundled decode kernel")
     p.add_argument("--check", action="store_true", help="check against the reference first")
     p.add_argument("--write-kv", action="store_true",
