@@ -64,24 +64,37 @@ def counts(q_lens, kv_lens, hq=HQ, hkv=HKV, d=D, itemsize=2):
     return kv_bytes, 4 * d * hq * visible
 
 
-def bench(fn, args, calls, reps=5):
+ROTATE_BYTES = 256 << 20  # KV caches smaller than this are copied and rotated: several times the 50 MB L2
+
+
+def rotated(args, kv_bytes):
+    """Alternatives for `args[1:]` (cache and metadata) holding distinct copies of a small cache, so that
+    back-to-back calls do not read K/V from L2 that the previous call left there."""
+    copies = min(8, -(-ROTATE_BYTES // max(kv_bytes, 1)))
+    caches = [args[1]] + [jnp.array(args[1], copy=True) for _ in range(copies - 1)]
+    return [(cache, *args[2:]) for cache in caches]
+
+
+def bench(fn, args, calls, reps=5, rests=None):
     """Median µs per call of `fn(q, *rest)`, net of a program's fixed cost.
 
     Programs holding `calls` and `2 * calls` calls on distinct copies of q (so XLA cannot merge them)
     are timed, and the difference is divided by the `calls` extra calls. Dividing one program's time
     by its calls instead spreads the program's launch and synchronisation (~1 ms) over them, which
     made short decode kernels look twice as slow as in the engine's trace (RESULTS.md, session 4).
+    `rests`: alternatives for `args[1:]` that successive calls cycle through (`rotated`).
     """
-    q, rest = args[0], args[1:]
+    q = args[0]
+    rests = rests or [args[1:]]
 
     def seconds(n):
         qs = [(q.astype(jnp.float32) * (1.0 + 1e-3 * i)).astype(q.dtype) for i in range(n)]
-        many = jax.jit(lambda qs, *rest: [fn(x, *rest) for x in qs])
-        jax.block_until_ready(many(qs, *rest))
+        many = jax.jit(lambda qs, rests: [fn(x, *rests[i % len(rests)]) for i, x in enumerate(qs)])
+        jax.block_until_ready(many(qs, rests))
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            jax.block_until_ready(many(qs, *rest))
+            jax.block_until_ready(many(qs, rests))
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
@@ -226,10 +239,11 @@ def main(argv=None):
                 if mode == "decode" and not a.no_bundled:
                     fn, bargs = bundled_decode(args[0], args[1], args[2], args[3], a.page_size)
                     bundled_us = bench(fn, bargs, a.calls)
+                rests = rotated(args, kv_bytes)
                 for cfg in configs:
                     fn = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, impl=a.impl, config=cfg)
                     try:
-                        us = bench(fn, args, a.calls)
+                        us = bench(fn, args, a.calls, rests=rests)
                     except Exception as e:  # a config that does not compile is reported, not fatal
                         print(f"{mode:8}{b:>5}{ctx:>7}  {str(cfg):24} failed: {type(e).__name__}: {e}"[:300])
                         continue
@@ -245,6 +259,7 @@ def main(argv=None):
                           f"{kv_bytes / bundled_us / 1e6:9.2f}", flush=True)
                 if a.write_kv:
                     n_new = sum(q_lens)
+                    rests = None  # the copies' memory goes back before the cache is written
                     us, cache = bench_write_kv(args[1], n_new, a.calls)
                     args = (args[0], cache, *args[2:])
                     written = n_new * HKV * D * 2 * 2
@@ -257,7 +272,7 @@ def main(argv=None):
                         rows.append(dict(mode=mode, batch=b, ctx=ctx, config=name, us=us, tflop_s=flops / us / 1e6))
                         print(f"{'':8}{'':>5}{'':>7}  {name[:36]:36}{us:10.1f}{'':9}{flops / us / 1e6:9.1f}",
                               flush=True)
-                del args
+                del args, rests
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(device=str(jax.devices()[0]), rows=rows), f, indent=1)
