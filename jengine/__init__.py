@@ -35,8 +35,20 @@ def _default_memory_fraction() -> None:
     in it. 92% leaves room for what lives outside the allocator (CUDA context, cuBLAS workspaces,
     CUDA graphs, NCCL buffers); it is the setting every H200 benchmark in benchmarks/RESULTS.md ran with."""
     names = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
-    if not any(name in os.environ for name in names):
-        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.92"
+    if any(name in os.environ for name in names) or _jax_backend_started():
+        return  # too late once JAX's backend exists: the variable must keep saying what it was started with
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.92"
+
+
+def _jax_backend_started() -> bool:
+    """Whether JAX was imported and its backends initialized before jengine (jax is not imported here)."""
+    import sys
+
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    try:
+        return bool(bridge is not None and bridge.backends_are_initialized())
+    except Exception:  # a JAX without this private helper: assume started, so nothing changes under it
+        return True
 
 
 _default_xla_flags()
