@@ -70,7 +70,7 @@ def run_steps(runner, inp, n: int) -> float:
     dispatch = 0.0
     for _ in range(n):
         t = time.perf_counter()
-        out, prev = runner.execute(inp, prev, top_logprobs=False)
+        out, prev = runner.execute(inp, prev)
         dispatch += time.perf_counter() - t
     jax.block_until_ready((out, prev))
     return dispatch * 1e3 / n

@@ -239,9 +239,9 @@ class LLMEngine:
                 outputs += self._resolve(*inflight)  # penalties need every previous token on the host
                 inflight = None
             t1 = clock()
-            inp, top, prompt_tokens = self._step_input(sched, inflight[0] if inflight else None)
+            inp, prompt_tokens = self._step_input(sched, inflight[0] if inflight else None)
             t2 = clock()
-            launched = (sched, *self.runner.execute(inp, inflight[2] if inflight else None, top_logprobs=top))
+            launched = (sched, *self.runner.execute(inp, inflight[2] if inflight else None))
             self.timings["prepare"] += t2 - t1
             self.timings["launch"] += clock() - t2
             self.stats["steps"] += 1
@@ -298,16 +298,15 @@ class LLMEngine:
             self.runner.copy_pages(sched.blocks_to_copy)
 
     def _step_input(self, sched: SchedulerOutput, previous: SchedulerOutput | None):
-        """The step's device input, whether any scheduled request wants top logprobs, and how many of the
-        step's tokens are prompt tokens (computed, not found in the prefix cache)."""
+        """The step's device input, and how many of the step's tokens are prompt tokens (computed, not
+        found in the prefix cache)."""
         ecfg = self.config
         num_tokens = pick_bucket(sched.num_scheduled_tokens, ecfg.token_buckets)
         num_seqs = seq_bucket(len(sched.scheduled), num_tokens, ecfg.seq_buckets)
         prev_rows = {e.request.request_id: i for i, e in enumerate(previous.scheduled)} if previous else {}
-        rows, sampling_rows, top_logprobs, prompt_tokens = [], [], False, 0
+        rows, sampling_rows, prompt_tokens = [], [], 0
         for entry in sched.scheduled:
             request = entry.request
-            top_logprobs |= request.sampling_params.logprobs is not None
             if entry.start_position < request.num_prompt_tokens:
                 prompt_tokens += entry.num_new_tokens
             rows.append((entry.token_ids, entry.start_position, entry.block_table,
@@ -318,7 +317,7 @@ class LLMEngine:
         sampling = build_sampling_tensors(sampling_rows, num_seqs, self.model_config.vocab_size,
                                           engine_seed=ecfg.seed, eos_token_ids=self.model_config.eos_token_ids)
         inp = build_step_input(rows, num_tokens, num_seqs, ecfg.pages_per_seq, ecfg.block_size, sampling)
-        return inp, top_logprobs, prompt_tokens
+        return inp, prompt_tokens
 
     def _prompt_targets(self, entry) -> list[int] | None:
         """Next prompt token after each of the entry's tokens, for a request that wants prompt logprobs."""

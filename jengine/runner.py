@@ -24,7 +24,7 @@ from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
 from jengine.models import ModelInput, get_model_family
 from jengine.request import PLACEHOLDER
-from jengine.sampler import SamplingTensors, build_sampling_tensors, compute_logprobs, sample
+from jengine.sampler import SamplingTensors, build_sampling_tensors, compute_logprobs, sample, sampler_switches
 
 
 @jax.tree_util.register_dataclass
@@ -244,17 +244,13 @@ class ModelRunner:
         """Every (T, S) pair a step can be padded to: S sequences need at least S tokens."""
         return shape_pairs(self.ecfg.token_buckets, self.ecfg.seq_buckets)
 
-    def execute(self, inp: StepInput, prev_ids: jax.Array | None = None, *, top_logprobs: bool = True,
-                filters: bool | None = None, random: bool | None = None, prompt_logprobs: bool | None = None):
+    def execute(self, inp: StepInput, prev_ids: jax.Array | None = None, *, prompt_logprobs: bool | None = None):
         """Launch one step (asynchronously): ((sampler output, prompt logprobs or None), ids `[max_seqs]`
-        for the next step). Results stay on the device until read. `top_logprobs`: whether any row asks
-        for logprobs (the host's request state says; the input does not). `filters` / `random` /
-        `prompt_logprobs` default to what the input asks for."""
+        for the next step). Results stay on the device until read. The sampling program's variant is
+        what the batch's sampling tensors need (`sampler_switches`); `prompt_logprobs` defaults to
+        whether the input asks for them."""
         sampling = inp.sampling
-        if filters is None:
-            filters = bool(np.any((sampling.top_k < self.cfg.vocab_size) | (sampling.top_p < 1.0)))
-        if random is None:
-            random = filters or not bool(np.all(sampling.greedy))
+        filters, random, top_logprobs = sampler_switches(sampling, self.cfg.vocab_size)
         if prompt_logprobs is None:
             prompt_logprobs = bool(np.any(inp.prompt_targets >= 0))
         prev = self.no_prev_ids if prev_ids is None else prev_ids

@@ -63,6 +63,7 @@ class SamplingTensors:
     rng_key_words: jax.Array  # [S, 2] uint32; threefry key data of PRNGKey(seed or engine_seed)
     rng_stream: jax.Array  # [S] uint32; 0 for seeded rows, 1 + per-request counter otherwise
     rng_step: jax.Array  # [S] uint32; number of tokens the request has generated so far
+    wants_logprobs: jax.Array  # [S] bool; the request asked for logprobs (decides `sampler_switches`)
 
 
 class SamplingRow(NamedTuple):
@@ -126,6 +127,7 @@ def build_sampling_tensors(
     key_words = np.zeros((S, 2), u32)
     stream = np.zeros(S, u32)
     step = np.zeros(S, u32)
+    wants_logprobs = np.zeros(S, bool)
     engine_words = _seed_words(engine_seed)
 
     for i, row in enumerate(rows):
@@ -157,14 +159,30 @@ def build_sampling_tensors(
             key_words[i] = engine_words
             stream[i] = (counter + 1) & _U32
         step[i] = len(output_ids) & _U32
+        wants_logprobs[i] = p.logprobs is not None
 
     return SamplingTensors(
         temperature=temperature, greedy=greedy, top_k=top_k, top_p=top_p, min_p=min_p,
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         penalty_ids=penalty_ids, penalty_output_counts=penalty_counts,
         bias_ids=bias_ids, bias_values=bias_values,
-        rng_key_words=key_words, rng_stream=stream, rng_step=step,
+        rng_key_words=key_words, rng_stream=stream, rng_step=step, wants_logprobs=wants_logprobs,
     )
+
+
+class SamplerSwitches(NamedTuple):
+    """The sampling program's static switches for one batch (see `sample`)."""
+
+    filters: bool
+    random: bool
+    top_logprobs: bool
+
+
+def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
+    """What the batch of numpy `t` needs from the sampling program: the one place that decides."""
+    filters = bool(np.any((np.asarray(t.top_k) < vocab_size) | (np.asarray(t.top_p) < 1.0)))
+    random = filters or not bool(np.all(t.greedy))
+    return SamplerSwitches(filters, random, bool(np.any(t.wants_logprobs)))
 
 
 def _penalty_window(prompt_ids, output_ids, V: int, W: int) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.sampler import SamplingRow, build_sampling_tensors, process_logits, sample
+from jengine.sampler import SamplingRow, build_sampling_tensors, process_logits, sample, sampler_switches
 from jengine.sampling_params import SamplingParams as P
 
 V = 16
@@ -225,3 +225,17 @@ def test_one_compilation_serves_every_option_mix():
         rows = [SamplingRow(p, [1, 2], [4, 4], i) for i, p in enumerate(mix)]
         fn(jnp.asarray(rng.randn(4, V), jnp.float32), tensors(rows, S=4, eos_token_ids=(2,)))
     assert fn._cache_size() == 1
+
+
+@pytest.mark.parametrize("options, expected", [
+    ([dict(temperature=0.0)], (False, False, False)),
+    ([dict(temperature=0.0), dict(temperature=0.7)], (False, True, False)),
+    ([dict(temperature=0.7, top_p=0.9)], (True, True, False)),
+    ([dict(temperature=0.7, top_k=5)], (True, True, False)),
+    ([dict(temperature=0.0, logprobs=0)], (False, False, True)),
+    ([dict(temperature=0.0), dict(temperature=0.0, logprobs=3)], (False, False, True)),
+])
+def test_sampler_switches_follow_the_batch(options, expected):
+    rows = [SamplingRow(P(**o), [1, 2], []) for o in options]
+    t = build_sampling_tensors(rows, 8, 100)
+    assert tuple(sampler_switches(t, 100)) == expected
