@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> dict:
               (f", goodput {summary['goodput_req_s']:.2f} req/s" if slos else ""))
         print_table([{"metric": m, **{k: summary[f"{m}_{k}_ms"] for k in ("mean", "p50", "p99", "max")}}
                      for m in ("ttft", "tpot", "itl", "e2el")], ["metric", "mean", "p50", "p99", "max"])
+    if not any(r["ok"] for _, results, _ in runs for r in results):
+        first = next((r["error"] for _, results, _ in runs for r in results), "no requests")
+        raise SystemExit(f"serving.py: every request failed (first: {first}); is a server answering at {url}?")
     if args.plot:
         title = f"{args.model}, rate {args.request_rate}, {len(payloads)} requests"
         plot_cdfs([(f"concurrency {cap or 'unlimited'}", results) for cap, results, _ in runs], args.plot, title)

@@ -147,3 +147,14 @@ def test_kernels_bench_times_net_of_program_cost(tmp_path):
                   "--no-bundled", "--json", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["mode"], row["batch"], row["ctx"]) == ("decode", 8, 2048) and row["us"] > 0
+
+
+def test_serving_fails_loudly_when_no_request_succeeds(tmp_path):
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(SystemExit, match="every request failed"):
+        _run("serving", ["--base-url", f"http://127.0.0.1:{port}", "--model", "jengine/tiny-llama",
+                         "--num-prompts", "3", "--input-len", "8", "--output-len", "2"], tmp_path)
