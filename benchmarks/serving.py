@@ -41,7 +41,9 @@ def launch_server(model: str, port: int, extra: list[str], timeout: float) -> tu
     import httpx
 
     log = tempfile.NamedTemporaryFile("w", prefix="jengine-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "jengine.cli", "serve", model, "--port", str(port), "--uvicorn-log-level",
+    # -P: the installed jengine, not a `jengine/` directory in the working directory (the repo root holds
+    # one without the packages the install maps in, e.g. jengine.kernels_pallas)
+    cmd = [sys.executable, "-P", "-m", "jengine.cli", "serve", model, "--port", str(port), "--uvicorn-log-level",
            "warning", *extra]
     print("launching: " + " ".join(cmd) + f"  (log: {log.name})")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
