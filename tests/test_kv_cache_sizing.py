@@ -80,3 +80,27 @@ def test_import_sets_the_allocator_fraction_only_when_unconfigured(env, before, 
     code = before + "import os, jengine; print(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))"
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == str(expected)
+
+
+def test_warmup_compiles_against_the_cache_shapes_before_allocating_it(monkeypatch):
+    # XLA's GEMM autotuning borrows device memory while compiling: the KV pool must not exist yet
+    from jengine.engine import LLMEngine
+    from jengine.runner import ModelRunner
+
+    compiled_at_allocation = []
+    real_allocate = ModelRunner.allocate_kv_cache
+
+    def allocate(self):
+        if self.kv_caches is None:
+            compiled_at_allocation.append(len(self._compiled))
+        real_allocate(self)
+
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocate)
+    engine = LLMEngine(EngineConfig(model="jengine/tiny-llama", max_model_len=128, max_num_seqs=4,
+                                    max_num_batched_tokens=32, token_buckets=(16, 32), seq_buckets=(4,),
+                                    compilation_cache_dir=None), progress=False)
+    # allocated once, after every forward, sampling and prompt-logprobs program was compiled
+    assert compiled_at_allocation == [len(engine.runner._compiled)] and compiled_at_allocation[0] > 2
+    spec = engine.runner._kv_cache_specs()[0]
+    assert [c.shape for c in engine.runner.kv_caches] == [spec.shape] * engine.model_config.num_hidden_layers
+    assert engine.kv_cache_memory is None  # the CPU has no memory statistics to report against
