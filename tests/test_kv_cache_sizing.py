@@ -104,3 +104,15 @@ def test_warmup_compiles_against_the_cache_shapes_before_allocating_it(monkeypat
     spec = engine.runner._kv_cache_specs()[0]
     assert [c.shape for c in engine.runner.kv_caches] == [spec.shape] * engine.model_config.num_hidden_layers
     assert engine.kv_cache_memory is None  # the CPU has no memory statistics to report against
+
+
+def test_kv_memory_report_is_per_device_share_of_free_memory():
+    import jax.numpy as jnp
+
+    from jengine.engine import _kv_memory_report
+
+    caches = [jnp.zeros((2, 2, 8, 16, 8), jnp.float32) for _ in range(3)]  # 3 x 16 KiB
+    report = _kv_memory_report({"total": 10 << 20, "limit": 9 << 20, "in_use": 1 << 20}, caches)
+    assert report["kv_bytes"] == 3 * 16384 and report["free_after_weights"] == 8 << 20
+    assert report["kv_fraction_of_free"] == pytest.approx(3 * 16384 / (8 << 20))
+    assert _kv_memory_report(None, caches) is None
