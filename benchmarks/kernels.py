@@ -195,6 +195,13 @@ def parse_config(text):
     return gpu_kernel.GpuConfig(*(int(x) for x in text.split(",")))
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="decode,prefill,mixed", help="comma list of decode,prefill,mixed")
@@ -206,7 +213,7 @@ def main(argv=None):
                    "'block_q,block_kv,splits,warps,stages' to time side by side (default: the table)")
     p.add_argument("--max-tokens", type=int, default=65536, help="skip prefill shapes with more q tokens")
     p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")
-    p.add_argument("--calls", type=int, default=10,
+    p.add_argument("--calls", type=_positive_int, default=10,
                    help="kernel calls in the shorter of the two timed programs (100+ for kernels under ~50 us: "
                         "the difference of two programs is noisy below that)")
     p.add_argument("--no-bundled", action="store_true", help="skip JAX's bundled decode kernel")
@@ -235,11 +242,12 @@ def main(argv=None):
                     continue
                 args = make_batch(jax.random.key(b * 7 + ctx), q_lens, kv_lens, page_size=a.page_size,
                                   dtype=jnp.bfloat16)
-                bundled_us = None
-                if mode == "decode" and not a.no_bundled:
-                    fn, bargs = bundled_decode(args[0], args[1], args[2], args[3], a.page_size)
-                    bundled_us = bench(fn, bargs, a.calls)
                 rests = rotated(args, kv_bytes)
+                bundled_us = None
+                if mode == "decode" and not a.no_bundled:  # the same rotated caches, K/V split per copy
+                    fn, bargs = bundled_decode(args[0], args[1], args[2], args[3], a.page_size)
+                    brests = [bundled_decode(args[0], r[0], args[2], args[3], a.page_size)[1][1:] for r in rests]
+                    bundled_us = bench(fn, bargs, a.calls, rests=brests)
                 for cfg in configs:
                     fn = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, impl=a.impl, config=cfg)
                     try:
