@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 H200_COPY_BW = 4.3e12  # bytes/s, measured device copy ceiling (shared/BENCHMARKS.md)
@@ -89,6 +91,46 @@ def write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def bench(fn, args, calls, reps=5, rests=None):
+    """Median µs per call of `fn(q, *rest)`, net of a program's fixed cost.
+
+    Programs holding `calls` and `2 * calls` calls on distinct copies of q (so XLA cannot merge them)
+    are timed, and the difference is divided by the `calls` extra calls. Dividing one program's time
+    by its calls instead spreads the program's launch and synchronisation (~1 ms) over them, which
+    made short decode kernels look twice as slow as in the engine's trace (RESULTS.md, session 4).
+    `rests`: alternatives for `args[1:]` that successive calls cycle through (e.g. copies of a cache
+    or weight larger together than L2, so that calls do not read what the previous one left there).
+    """
+    q = args[0]
+    rests = rests or [args[1:]]
+
+    def seconds(n):
+        qs = [(q.astype(jnp.float32) * (1.0 + 1e-3 * i)).astype(q.dtype) for i in range(n)]
+        many = jax.jit(lambda qs, rests: [fn(x, *rests[i % len(rests)]) for i, x in enumerate(qs)])
+        jax.block_until_ready(many(qs, rests))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(many(qs, rests))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    extra = seconds(2 * calls) - seconds(calls)
+    if extra <= 0:  # the calls are too short for the clock: raise --calls
+        print(f"warning: {calls} more calls took no measurable time; reported as nan (raise --calls)", flush=True)
+        return float("nan")
+    return extra / calls * 1e6
+
 
 
 # ---------------------------------------------------------------- shared by the newer programs

@@ -20,6 +20,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import bench, positive_int
 
 from jengine.kernels_pallas.ragged_paged_attention import gpu as gpu_kernel
 from jengine.kernels_pallas.ragged_paged_attention import ragged_paged_attention, reference, write_kv
@@ -73,36 +74,6 @@ def rotated(args, kv_bytes):
     copies = min(8, -(-ROTATE_BYTES // max(kv_bytes, 1)))
     caches = [args[1]] + [jnp.array(args[1], copy=True) for _ in range(copies - 1)]
     return [(cache, *args[2:]) for cache in caches]
-
-
-def bench(fn, args, calls, reps=5, rests=None):
-    """Median µs per call of `fn(q, *rest)`, net of a program's fixed cost.
-
-    Programs holding `calls` and `2 * calls` calls on distinct copies of q (so XLA cannot merge them)
-    are timed, and the difference is divided by the `calls` extra calls. Dividing one program's time
-    by its calls instead spreads the program's launch and synchronisation (~1 ms) over them, which
-    made short decode kernels look twice as slow as in the engine's trace (RESULTS.md, session 4).
-    `rests`: alternatives for `args[1:]` that successive calls cycle through (`rotated`).
-    """
-    q = args[0]
-    rests = rests or [args[1:]]
-
-    def seconds(n):
-        qs = [(q.astype(jnp.float32) * (1.0 + 1e-3 * i)).astype(q.dtype) for i in range(n)]
-        many = jax.jit(lambda qs, rests: [fn(x, *rests[i % len(rests)]) for i, x in enumerate(qs)])
-        jax.block_until_ready(many(qs, rests))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(many(qs, rests))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    extra = seconds(2 * calls) - seconds(calls)
-    if extra <= 0:  # the calls are too short for the clock: raise --calls
-        print(f"warning: {calls} more calls took no measurable time; reported as nan (raise --calls)", flush=True)
-        return float("nan")
-    return extra / calls * 1e6
 
 
 def bundled_decode(q, cache, kv_lens, table, page_size):
@@ -195,13 +166,6 @@ def parse_config(text):
     return gpu_kernel.GpuConfig(*(int(x) for x in text.split(",")))
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="decode,prefill,mixed", help="comma list of decode,prefill,mixed")
@@ -213,7 +177,7 @@ def main(argv=None):
                    "'block_q,block_kv,splits,warps,stages' to time side by side (default: the table)")
     p.add_argument("--max-tokens", type=int, default=65536, help="skip prefill shapes with more q tokens")
     p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")
-    p.add_argument("--calls", type=_positive_int, default=10,
+    p.add_argument("--calls", type=positive_int, default=10,
                    help="kernel calls in the shorter of the two timed programs (100+ for kernels under ~50 us: "
                         "the difference of two programs is noisy below that)")
     p.add_argument("--no-bundled", action="store_true", help="skip JAX's bundled decode kernel")
