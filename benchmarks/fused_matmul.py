@@ -2,9 +2,9 @@
 
 Times the Pallas kernel (RMS norm / SwiGLU / residual fused in) against what XLA compiles for the same
 unfused math (separate norm, matmul, split-K reduction, SwiGLU and add kernels), per op and row count,
-and prints µs, weight GB/s and the fraction of the copy ceiling. Calls cycle through weight copies
-larger together than L2 and each call gets its own x, so XLA can neither merge calls nor serve weights
-from L2. `--check` first holds the kernel to an f32 reference on the device. Example (one H200):
+and prints µs, weight GB/s and the fraction of the copy ceiling. Every call gets its own x and its own
+copy of the weight (2 x --calls copies: up to 24 GB for gate/up at 50 calls), so XLA can neither merge
+calls nor serve weights from L2. `--check` first holds the kernel to an f32 reference on the device. Example (one H200):
 
     python benchmarks/fused_matmul.py --check --rows 16,32 --calls 100 --json out.json
 """
@@ -23,7 +23,6 @@ from jengine.kernels_pallas import fused_matmul as fm
 from jengine.kernels_pallas.fused_matmul import gpu as gpu_kernel
 from jengine.kernels_pallas.fused_matmul import reference
 
-ROTATE_BYTES = 256 << 20  # weight copies cycled per program: several times the H200's 50 MB L2
 EPS = 1e-5
 
 
@@ -112,8 +111,9 @@ def main(argv=None):
             x, g, w, r = make(kind, rows, k, n, jnp.bfloat16)
             second = r if kind == "add" else g
             w_bytes = w.size * w.dtype.itemsize
-            copies = min(8, -(-ROTATE_BYTES // w_bytes))
-            rests = [(second, w)] + [(second, jnp.array(w, copy=True)) for _ in range(copies - 1)]
+            # A weight copy per call: XLA merges dots that share an operand (so shared weights made its
+            # unfused baseline look 2-4x faster than the copy bandwidth), and no call finds L2 warm.
+            rests = [(second, w)] + [(second, jnp.array(w, copy=True)) for _ in range(2 * a.calls - 1)]
             variants = [] if a.no_xla else [("xla", op_fn(kind, "reference"))]
             for cfg in configs:
                 label = "table" if cfg is None else ",".join(str(v) for v in (cfg.block_n, cfg.block_k,

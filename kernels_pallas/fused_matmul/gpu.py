@@ -7,7 +7,7 @@ Here one program owns `block_n` output columns of all M rows and walks the full 
 partial sums leave the program and the epilogue is applied in registers:
 
 - RMS norm: the row scale rsqrt(mean(x^2) + eps) commutes with the matmul, so the program accumulates
-  (x * g) @ W and sum(x^2) in the same K loop and scales the rows at the end (no extra pass over x).
+  (x * g) @ W and x^2 in the same K loop and scales the rows at the end (no extra pass over x).
 - SwiGLU: the program reads the gate columns and the matching up columns of the fused [K, 2N] weight
   (two block specs over one array) and writes SiLU(gate) * up.
 - Residual: `residual + x @ W` in the epilogue.
@@ -76,18 +76,18 @@ def _kernel(*refs, norm: bool, swiglu: bool, residual: bool, block_k: int, eps: 
         accs, sq = carry
         ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
         xk = x_ref[:, ks]  # [M, block_k]
-        if norm:
+        if norm:  # elementwise here, reduced after the loop: a row reduction per step stalls the pipeline
             xf = xk.astype(jnp.float32)
-            sq = sq + jnp.sum(xf * xf, axis=1)
+            sq = sq + xf * xf
             xk = (xk * g_ref[ks][None, :]).astype(x_ref.dtype)
         accs = tuple(acc + plgpu.dot(xk, w[ks, :], allow_tf32=not f32) for acc, w in zip(accs, w_refs))
         return accs, sq
 
     zeros = jnp.zeros(o_ref.shape, jnp.float32)
     accs, sq = jax.lax.fori_loop(0, k_dim // block_k, step,
-                                 ((zeros,) * len(w_refs), jnp.zeros((m,), jnp.float32)))
+                                 ((zeros,) * len(w_refs), jnp.zeros((m, block_k) if norm else (m,), jnp.float32)))
     if norm:
-        scale = jax.lax.rsqrt(sq / k_dim + eps)[:, None]
+        scale = jax.lax.rsqrt(jnp.sum(sq, axis=1) / k_dim + eps)[:, None]
         accs = tuple(acc * scale for acc in accs)
     y = accs[0]
     if swiglu:
