@@ -1,6 +1,4 @@
-"""Pieces shared by model families: the model input pytree, weight declarations, norms and RoPE.
-
-`rms_norm` is defined beside the fused norm-matmul kernel's reference, which must compute the same thing."""
+"""Pieces shared by model families: the model input pytree, weight declarations, norms and RoPE."""
 
 from __future__ import annotations
 
@@ -12,9 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.config import RopeConfig
-from jengine.kernels_pallas.fused_matmul import rms_norm
-
-__all__ = ["ModelInput", "WeightSpec", "apply_rope", "rms_norm", "rope_inv_freq"]
 
 
 @jax.tree_util.register_dataclass
@@ -48,6 +43,13 @@ class WeightSpec:
     sources: tuple[tuple[str, tuple[int, ...]], ...]
     transpose: bool = True
     init: str = "normal"  # "normal" | "ones" | "zeros" for dummy weights
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in f32 as transformers does, result in x's dtype."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

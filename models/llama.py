@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from jengine.config import ModelConfig
-from jengine.kernels_pallas.fused_matmul import matmul_add, norm_matmul, swiglu
 from jengine.kernels_pallas.ragged_paged_attention import ragged_paged_attention, write_kv
 from jengine.models.common import ModelInput, WeightSpec, apply_rope, rms_norm, rope_inv_freq
 from jengine.sharding import per_head_shard, tp_size
@@ -68,12 +67,11 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
     return specs
 
 
-def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh, impl):
-    """Self-attention of the residual stream `x` [T, H], input norm included; returns (x + attention, cache)."""
+def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
     num_tokens, tp = x.shape[0], tp_size(mesh)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     hq_s, hkv_s = hq // tp, hkv // tp  # heads per shard
-    qkv = norm_matmul(x, params["input_norm"], params["qkv"], eps=cfg.rms_norm_eps, impl=impl)  # [T, (Hq + 2 Hkv) D]
+    qkv = x @ params["qkv"]  # [T, (Hq + 2 Hkv) D]
     if cfg.attention_bias:
         qkv = qkv + params["qkv_bias"]
     qkv = qkv.reshape(num_tokens, tp, (hq_s + 2 * hkv_s) * d)  # [T, tp, per_shard]
@@ -95,34 +93,27 @@ def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh, impl):
 
     kv_cache, out = per_head_shard(attend, mesh, 4)(
         kv_cache, q, k, v, inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
-    return matmul_add(out.reshape(num_tokens, hq * d), params["o"], x, impl=impl), kv_cache
+    return out.reshape(num_tokens, hq * d) @ params["o"], kv_cache
 
 
-def _mlp(params, cfg, x, tp, impl):
-    """The MLP of the residual stream `x` [T, H], post-attention norm included; returns x + MLP(x)."""
-    eps = cfg.rms_norm_eps
-    if tp == 1:
-        act = norm_matmul(x, params["post_norm"], params["gate_up"], eps=eps, swiglu_out=True, impl=impl)
-    else:
-        inter = cfg.intermediate_size // tp
-        gate_up = norm_matmul(x, params["post_norm"], params["gate_up"], eps=eps, impl=impl)
-        gate_up = gate_up.reshape(x.shape[0], tp, 2 * inter)  # [T, tp, 2 I / tp]: gate|up per shard
-        act = swiglu(gate_up).reshape(x.shape[0], cfg.intermediate_size)
-    return matmul_add(act, params["down"], x, impl=impl)
+def _mlp(params, cfg, x, tp):
+    inter = cfg.intermediate_size // tp
+    gate_up = (x @ params["gate_up"]).reshape(x.shape[0], tp, 2 * inter)  # [T, tp, 2 I / tp]
+    gate = gate_up[:, :, :inter].reshape(x.shape[0], cfg.intermediate_size)
+    up = gate_up[:, :, inter:].reshape(x.shape[0], cfg.intermediate_size)
+    return (jax.nn.silu(gate) * up) @ params["down"]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
 def _layer(params: dict, x: jax.Array, inp: ModelInput, kv_cache, cos, sin, *, cfg: ModelConfig, mesh):
     """One decoder layer. Jitted on its own so that a step traces and lowers it (and its attention
     kernel) once, not once per layer: the layers share shapes, so their calls share one function;
-    XLA inlines it again, so the compiled program is the same.
-
-    The four matmuls go through the fused-matmul ops, which pick a Pallas kernel with the norms, SwiGLU
-    and residual adds fused in for decode-sized batches on GPUs; with tensor parallelism the weights
-    are sharded, so they take the reference (XLA) path."""
-    impl = None if tp_size(mesh) == 1 else "reference"
-    x, kv_cache = _attention(params, cfg, x, inp, kv_cache, cos, sin, mesh, impl)
-    return _mlp(params, cfg, x, tp_size(mesh), impl), kv_cache
+    XLA inlines it again, so the compiled program is the same."""
+    attn, kv_cache = _attention(params, cfg, rms_norm(x, params["input_norm"], cfg.rms_norm_eps), inp, kv_cache,
+                                cos, sin, mesh)
+    x = x + attn
+    x = x + _mlp(params, cfg, rms_norm(x, params["post_norm"], cfg.rms_norm_eps), tp_size(mesh))
+    return x, kv_cache
 
 
 def forward(params: dict, cfg: ModelConfig, inp: ModelInput, kv_caches: list,

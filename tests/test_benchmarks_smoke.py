@@ -158,19 +158,3 @@ def test_serving_fails_loudly_when_no_request_succeeds(tmp_path):
     with pytest.raises(SystemExit, match="every request failed"):
         _run("serving", ["--base-url", f"http://127.0.0.1:{port}", "--model", "jengine/tiny-llama",
                          "--num-prompts", "3", "--input-len", "8", "--output-len", "2"], tmp_path)
-
-
-def test_fused_matmul_bench_checks_and_times_kernel_and_xla(tmp_path):
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import fused_matmul
-
-    out = tmp_path / "fm.json"
-    fused_matmul.main(["--interpret", "--check", "--hidden", "64", "--intermediate", "128", "--heads", "4",
-                       "--kv-heads", "2", "--head-dim", "16", "--rows", "16", "--calls", "2",
-                       "--configs", "table;16,32,4,2", "--json", str(out)])
-    data = json.loads(out.read_text())
-    assert data["max_rel_err"] < 1e-2
-    rows = data["rows"]
-    assert {r["op"] for r in rows} == {"qkv", "o", "gate_up", "down"}
-    assert {r["variant"] for r in rows} == {"xla", "pallas table", "pallas 16,32,4,2"}
