@@ -48,8 +48,8 @@ class PromptLogprobs(NamedTuple):
 # Steps of at least this many tokens compile their GEMMs with cuBLAS only; smaller ones let XLA's
 # autotuner also try its Triton GEMMs. On an H200 (8B, benchmarks/RESULTS.md, session 4) the autotuner
 # picks split-K Triton GEMMs at 64 tokens, faster alone but leaving f32 partial sums that the next
-# fusions reduce: cuBLAS made the 64-token decode step 6.03 -> 5.77 ms, and the 16-token step slower
-# (4.62 -> 4.84 ms).
+# fusions reduce: cuBLAS made the 64-token decode step 6.03 -> 5.77 ms, and the 16- and 32-token steps
+# slower (4.62 -> 4.84 ms; 4.81 -> 4.95 ms in session 5).
 CUBLAS_GEMM_MIN_TOKENS = 64
 
 
