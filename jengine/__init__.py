@@ -8,6 +8,12 @@ import os
 
 __version__ = "0.1.0"
 
+_XLA_DEFAULTS = {
+    "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES",
+    "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel": "true",
+}
+_ALLOCATOR_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
+
 
 def _default_xla_flags() -> None:
     """XLA settings jengine runs best with, each unless XLA_FLAGS already names it. Read when the JAX
@@ -19,12 +25,8 @@ def _default_xla_flags() -> None:
     time per step from 3.8 to 1.7 ms at TP 1 (the same step time) and, with XLA's one-shot all-reduce
     kernel for the small per-layer reductions, the 8B TP 4 decode step from 5.8 to 5.0 ms.
     """
-    defaults = {
-        "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES",
-        "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel": "true",
-    }
     flags = os.environ.get("XLA_FLAGS", "")
-    extra = [f"{name}={value}" for name, value in defaults.items() if name not in flags]
+    extra = [f"{name}={value}" for name, value in _XLA_DEFAULTS.items() if name not in flags]
     if extra:
         os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
@@ -34,10 +36,8 @@ def _default_memory_fraction() -> None:
     allocator), so that `gpu_memory_utilization` of the device (vLLM's meaning, 0.9 by default) fits
     in it. 92% leaves room for what lives outside the allocator (CUDA context, cuBLAS workspaces,
     CUDA graphs, NCCL buffers); it is the setting every H200 benchmark in benchmarks/RESULTS.md ran with."""
-    names = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
-    if any(name in os.environ for name in names) or _jax_backend_started():
-        return  # too late once JAX's backend exists: the variable must keep saying what it was started with
-    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.92"
+    if not any(name in os.environ for name in _ALLOCATOR_VARS):
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.92"
 
 
 def _jax_backend_started() -> bool:
@@ -51,8 +51,34 @@ def _jax_backend_started() -> bool:
         return True
 
 
-_default_xla_flags()
-_default_memory_fraction()
+def _late_start_warning(backend: str, env=os.environ) -> str | None:
+    """What to tell a user whose JAX GPU backend started before jengine was imported: the XLA flags and
+    the allocator fraction above are read when the backend starts, so jengine's defaults did not apply
+    (unless the user set them). None when there is nothing to say."""
+    if backend != "gpu":
+        return None
+    missing = []
+    if any(name not in env.get("XLA_FLAGS", "") for name in _XLA_DEFAULTS):
+        missing.append("its XLA_FLAGS defaults (CUDA graphs over all kernels; slower steps)")
+    if not any(name in env for name in _ALLOCATOR_VARS):
+        missing.append("XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 (JAX's 75% default leaves a smaller KV cache)")
+    if not missing:
+        return None
+    return ("JAX's GPU backend started before jengine was imported, so jengine could not apply "
+            + " or ".join(missing) + ". Import jengine before JAX touches a device, or set them yourself.")
+
+
+if _jax_backend_started():  # too late to change what the backend was started with: say so instead
+    import jax as _jax
+
+    _message = _late_start_warning(_jax.default_backend())
+    if _message:
+        import logging
+
+        logging.getLogger("jengine").warning(_message)
+else:
+    _default_xla_flags()
+    _default_memory_fraction()
 
 _LAZY = {
     "LLM": "jengine.llm",

@@ -116,3 +116,25 @@ def test_kv_memory_report_is_per_device_share_of_free_memory():
     assert report["kv_bytes"] == 3 * 16384 and report["free_after_weights"] == 8 << 20
     assert report["kv_fraction_of_free"] == pytest.approx(3 * 16384 / (8 << 20))
     assert _kv_memory_report(None, caches) is None
+
+
+def test_late_import_on_a_gpu_backend_names_what_did_not_apply():
+    import jengine
+
+    both = jengine._late_start_warning("gpu", env={})
+    assert "XLA_FLAGS defaults" in both and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.92" in both
+    flags = " ".join(f"{k}={v}" for k, v in jengine._XLA_DEFAULTS.items())
+    only_memory = jengine._late_start_warning("gpu", env={"XLA_FLAGS": flags})
+    assert "XLA_FLAGS" not in only_memory and "MEM_FRACTION" in only_memory
+    assert jengine._late_start_warning("gpu", env={"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}) is None
+    assert jengine._late_start_warning("cpu", env={}) is None  # the defaults are GPU settings
+
+
+def test_late_import_changes_no_environment_and_stays_quiet_on_cpu():
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
+    code = ("import jax, os; jax.devices(); import jengine; "
+            "print(os.environ.get('XLA_FLAGS'), os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))")
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "None None"
+    assert "jengine could not apply" not in out.stderr
