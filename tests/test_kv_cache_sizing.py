@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from jengine.config import ModelConfig
@@ -103,7 +104,8 @@ def test_warmup_compiles_against_the_cache_shapes_before_allocating_it(monkeypat
     assert compiled_at_allocation == [len(engine.runner._compiled)] and compiled_at_allocation[0] > 2
     spec = engine.runner._kv_cache_specs()[0]
     assert [c.shape for c in engine.runner.kv_caches] == [spec.shape] * engine.model_config.num_hidden_layers
-    assert engine.kv_cache_memory is None  # the CPU has no memory statistics to report against
+    # a report where the device has memory statistics (GPUs), none where it has not (the CPU)
+    assert (engine.kv_cache_memory is None) == (jax.devices()[0].memory_stats() is None)
 
 
 def test_kv_memory_report_is_per_device_share_of_free_memory():
