@@ -132,7 +132,6 @@ def bench(fn, args, calls, reps=5, rests=None):
     return extra / calls * 1e6
 
 
-
 # ---------------------------------------------------------------- shared by the newer programs
 
 H200_BF16_FLOPS = 790e12  # FLOP/s, measured dense bf16 matmul ceiling (shared/BENCHMARKS.md)
