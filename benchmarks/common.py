@@ -31,11 +31,6 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None)
 
 
-def make_llm(args):
-    """The engine under test, built from the common flags; prints start-up time and KV capacity."""
-    return build_llm(args)
-
-
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return rng.integers(100, vocab - 100, size=(n, length)).tolist()
@@ -158,7 +153,8 @@ def engine_args(args, **overrides) -> dict:
 
 
 def build_llm(args, label: str = "", **overrides):
-    """Like make_llm, with per-run overrides (prefix caching on/off, chunked prefill on/off, cache dir)."""
+    """The engine under test, built from the common flags, with per-run overrides (prefix caching
+    on/off, chunked prefill on/off, cache dir); prints start-up time and KV capacity."""
     from jengine import LLM
 
     t0 = time.perf_counter()

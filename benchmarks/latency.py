@@ -16,9 +16,9 @@ import time
 from common import (
     H200_COPY_BW,
     add_engine_flags,
+    build_llm,
     environment,
     hf_in_child,
-    make_llm,
     model_shape,
     print_table,
     random_prompts,
@@ -30,7 +30,7 @@ from common import write_json as save
 def run_jengine(args) -> list[dict]:
     from jengine import SamplingParams
 
-    llm = make_llm(args)
+    llm = build_llm(args)
     engine = llm.engine
     tp = engine.config.tensor_parallel_size  # the bound is per device: its shard of the weights
     weight_bytes = streamed_weight_bytes(engine.runner.params) / tp

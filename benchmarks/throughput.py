@@ -17,9 +17,9 @@ import time
 from common import (
     add_dataset_flags,
     add_engine_flags,
+    build_llm,
     environment,
     hf_in_child,
-    make_llm,
     make_requests,
     model_shape,
     print_table,
@@ -31,7 +31,7 @@ from common import (
 def run_jengine(args, requests) -> dict:
     from jengine import SamplingParams
 
-    llm = make_llm(args)
+    llm = build_llm(args)
     engine = llm.engine
     prompts = [p for p, _ in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in requests]
