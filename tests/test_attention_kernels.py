@@ -15,7 +15,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from jengine.kernels_pallas import ragged_paged_attention as rpa
-from jengine.kernels_pallas.ragged_paged_attention import gpu, reference, tpu
+from jengine.kernels_pallas.ragged_paged_attention import gpu, gpu_mosaic, reference, tpu
 
 
 def make_case(seed, q_lens, kv_lens, *, group, head_dim, page_size, dtype, num_kv_heads=2, pad_tokens=3,
@@ -94,6 +94,45 @@ def test_kernel_matches_reference(impl, name, q_lens, kv_lens, group, head_dim, 
     out = rpa.ragged_paged_attention(*args, sm_scale=head_dim**-0.5, impl=impl, interpret=True, config=config,
                                      **options)
     assert_matches_reference(out, args, sum(q_lens), sm_scale=head_dim**-0.5, **options)
+
+
+# The Mosaic GPU decode kernel uses wgmma, which GPU interpret mode does not simulate: on CPU it is
+# lowered for CUDA (every layout and shape check of the Mosaic GPU lowering runs); on a Hopper GPU it
+# is held to the reference. Bucket shapes: decode (T <= 2 S, every token its own item) and mixed
+# (decodes through this kernel, the rest through the Triton prefill tile into the same output).
+MOSAIC_CASES = [
+    ("decode", [1, 1, 1, 1], [1, 16, 17, 150], {}),
+    ("decode_short_prompt_in_bucket", [1, 1, 3], [64, 65, 3], {}),
+    ("decode_window_softcap", [1, 1, 1], [300, 40, 129], dict(sliding_window=70, soft_cap=5.0)),
+    ("mixed", [1, 20, 1], [90, 20, 200], {}),
+]
+MOSAIC_CONFIGS = [None, gpu_mosaic.MosaicConfig(64, 2, 3), gpu_mosaic.MosaicConfig(128, 3, 1)]
+
+
+def _on_hopper():
+    import jax
+
+    return jax.default_backend() == "gpu" and gpu._on_hopper()
+
+
+@pytest.mark.parametrize("config", MOSAIC_CONFIGS, ids=["table", "64x2_split3", "128x3"])
+@pytest.mark.parametrize("name,q_lens,kv_lens,options", MOSAIC_CASES, ids=[c[0] for c in MOSAIC_CASES])
+def test_mosaic_decode_kernel(name, q_lens, kv_lens, options, config):
+    import jax
+
+    args = make_case(zlib.crc32(name.encode()), q_lens, kv_lens, group=4, head_dim=128, page_size=16,
+                     dtype=jnp.bfloat16, pad_tokens=20 if name == "mixed" else 3)
+    kw = dict(sm_scale=128**-0.5, **options)
+    if name == "mixed" and config is not None:
+        pytest.skip("an explicit MosaicConfig runs the decode kernel alone")
+    if not _on_hopper():
+        select = "short" if name == "mixed" else "all"
+        kernel = jax.jit(lambda *a: gpu_mosaic.decode_attention_mosaic(*a, config=config, select=select, **kw))
+        assert "mosaic_gpu" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return
+    fn = jax.jit(lambda *a: rpa.ragged_paged_attention(*a, impl="gpu", config=config, **kw))
+    assert "mosaic_gpu" in fn.trace(*args).lower().as_text()  # the table picks this kernel on Hopper
+    assert_matches_reference(fn(*args), args, sum(q_lens), **kw)
 
 
 def test_tpu_kernel_has_no_races_under_forced_interpret_mode(clean_tpu_interpreter):

@@ -248,25 +248,46 @@ def _launch(qg, kv_cache, kv_lens, page_indices, cu_q_lens, items, config, block
     return res if splits == 1 else _merge_splits(*res).astype(qg.dtype)
 
 
+def _on_hopper() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
 def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                               sliding_window=None, soft_cap=None, config: GpuConfig | None = None,
-                               interpret=False):
+                               sliding_window=None, soft_cap=None, config=None, interpret=False):
     """Same contract as `reference.ragged_paged_attention`; inputs are assumed validated.
 
-    config None: decode buckets (T <= 2 S) run one launch with the decode tile; other buckets run two
-    launches into one output, short sequences (decodes) with the decode tile and the rest with the
-    prefill tile, so a decode in a mixed batch does not pay for a prefill-sized tile.
+    config None: decode buckets (T <= 2 S) run one decode launch; other buckets run two launches into
+    one output, single-token sequences (decodes) with the decode kernel and the rest with the prefill
+    tile, so a decode in a mixed batch does not pay for a prefill-sized tile. On Hopper the decode
+    launches use the Mosaic GPU kernel (`gpu_mosaic`, TMA page copies) where it supports the shapes,
+    elsewhere the Triton decode tile. config: a `GpuConfig` forces one Triton launch with that tile;
+    a `gpu_mosaic.MosaicConfig` forces the Mosaic decode kernel with that tile.
     """
+    from . import gpu_mosaic
+
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
     num_seqs_max, pages_per_seq = page_indices.shape
     group = num_q_heads // num_kv_heads
+    args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if isinstance(config, gpu_mosaic.MosaicConfig):
+        return gpu_mosaic.decode_attention_mosaic(*args, **opts, config=config)
+    mosaic = (config is None and not interpret and _on_hopper()
+              and gpu_mosaic.supports(q.dtype, head_dim, group, page_size))
+    decode_bucket = num_tokens <= 2 * num_seqs_max
+    if mosaic and decode_bucket:
+        return gpu_mosaic.decode_attention_mosaic(*args, **opts)
     # Triton tiles need power-of-two sides: pad the group with zero query heads if it is not.
     group_p = 1 << (group - 1).bit_length()
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    if group_p != group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+
+    def grouped(x):
+        x = x.reshape(num_tokens, num_kv_heads, group, head_dim)
+        return x if group_p == group else jnp.pad(x, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
+
+    qg = grouped(q)
+    kw = dict(**opts, interpret=interpret)
     meta = (kv_lens, page_indices, cu_q_lens)
     tuned = functools.partial(tuned_config, num_seqs=num_seqs_max, num_kv_heads=num_kv_heads, group=group,
                               page_size=page_size, max_kv_len=pages_per_seq * page_size,
@@ -275,17 +296,22 @@ def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     def block_q_of(cfg):
         return max(1, cfg.block_q * group // group_p)
 
-    if config is None and num_tokens > 2 * num_seqs_max:
-        dec = tuned("decode")  # its key splits are merged before the prefill launch writes into it
+    if config is None and not decode_bucket:
         pre = tuned("prefill")
-        bq_dec, bq_pre = block_q_of(dec), block_q_of(pre)
-        items = work_items(cu_q_lens, num_seqs, num_tokens, bq_dec, select="short", short_len=bq_dec,
-                           num_items=num_seqs_max)
-        out = _launch(qg, kv_cache, *meta, items, dec, bq_dec, None, **kw)
-        items = work_items(cu_q_lens, num_seqs, num_tokens, bq_pre, select="long", short_len=bq_dec)
+        bq_pre = block_q_of(pre)
+        if mosaic:  # its key splits are merged before the prefill launch writes into its output
+            short_len = 1
+            out = grouped(gpu_mosaic.decode_attention_mosaic(*args, **opts, select="short"))
+        else:
+            dec = tuned("decode")
+            short_len = bq_dec = block_q_of(dec)
+            items = work_items(cu_q_lens, num_seqs, num_tokens, bq_dec, select="short", short_len=bq_dec,
+                               num_items=num_seqs_max)
+            out = _launch(qg, kv_cache, *meta, items, dec, bq_dec, None, **kw)
+        items = work_items(cu_q_lens, num_seqs, num_tokens, bq_pre, select="long", short_len=short_len)
         out = _launch(qg, kv_cache, *meta, items, pre, bq_pre, out, **kw)
     else:
-        config = config or tuned("decode" if num_tokens <= 2 * num_seqs_max else "prefill")
+        config = config or tuned("decode" if decode_bucket else "prefill")
         block_q = block_q_of(config)
         items = work_items(cu_q_lens, num_seqs, num_tokens, block_q)
         out = _launch(qg, kv_cache, *meta, items, config, block_q, None, **kw)

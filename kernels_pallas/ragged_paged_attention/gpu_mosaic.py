@@ -1,0 +1,232 @@
+"""Decode attention for Hopper GPUs: Pallas Mosaic GPU, pages copied by the TMA engine, wgmma.
+
+Scope: one program (CTA, one warpgroup) owns one query token of one kv head and one key split, so it
+serves decode launches (every item is a single token; a short multi-token sequence becomes one item
+per token, each with its own causal limit). The group's query heads fill the first rows of a 64-row
+wgmma tile (the instruction's minimum height); the other rows are never stored.
+
+Per key block of `block_kv` tokens the program issues one bulk copy per page for K and one for V
+(`block_kv / page_size` of each, all counted on the block's barrier) into a ring of `num_stages`
+shared-memory slots, so up to `num_stages` blocks are in flight while it computes: S = Q K^T on the
+tensor cores, an online softmax in f32 registers, then acc += P V with P from registers. A slot is
+refilled as soon as its block's second wgmma has completed. Keys past the causal limit (the last
+block) are masked, and that block's V rows are zeroed in shared memory first, since slots past a
+sequence's length may hold anything.
+
+Key splits (small batches) write f32 partial results and base-2 log-sum-exps that
+`gpu._merge_splits` combines, like the Triton kernel's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .gpu import LOG2E, M_INIT, NUM_SMS, _merge_splits, work_items
+
+ROWS = 64  # wgmma tile height
+SWIZZLE = 128  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    block_kv: int = 64  # keys per wgmma step, a multiple of page_size and of 64 (the wgmma tile height)
+    num_stages: int = 2  # key blocks in flight per program (3-4 were slower on an H200: fewer programs per SM)
+    num_kv_splits: int = 1
+
+
+def supports(q_dtype, head_dim: int, group: int, page_size: int, block_kv: int = 64) -> bool:
+    """Whether this kernel handles the shapes (else the Triton kernel does)."""
+    return (jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 64 == 0
+            and head_dim <= 256 and group <= ROWS and page_size % 8 == 0 and block_kv % page_size == 0
+            and block_kv % ROWS == 0)
+
+
+def tuned_config(num_items: int, num_kv_heads: int, max_kv_len: int, block_kv: int = 64,
+                 num_stages: int = 2) -> MosaicConfig:
+    """Key splits so that small batches still cover the GPU: programs = items x kv heads x splits."""
+    programs = num_items * num_kv_heads
+    splits = max(1, min(16, (2 * NUM_SMS) // max(programs, 1), max_kv_len // (4 * block_kv)))
+    return MosaicConfig(block_kv, num_stages, 1 << (splits.bit_length() - 1))
+
+
+def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_kv,
+            num_stages, page_size, sm_scale, soft_cap, window):
+    if splits == 1:
+        o_ref, q_smem, k_smem, v_smem, q_bar, kv_bars = refs
+    else:
+        o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, kv_bars = refs
+    item = lax.axis_index("item")
+    h = lax.axis_index("head")
+    split = lax.axis_index("split")
+    _, _, num_pages, _, head_dim = kv_ref.shape
+    gp = q_ref.shape[2]
+    pages_per_blk = block_kv // page_size
+    dtype = q_ref.dtype
+    # meta: [seq, q_start, q_end] per item, then kv_lens [S], cu_q_lens [S + 1], page table [S, P].
+    lens_at, cu_at = 3 * num_items, 3 * num_items + num_seqs_max
+    pages_at = cu_at + num_seqs_max + 1
+
+    seq_raw = meta_ref[item]
+    seq = jnp.maximum(seq_raw, 0)
+    q_start = meta_ref[num_items + item]
+    n_tok = meta_ref[2 * num_items + item] - q_start
+    kv_len = jnp.where(seq_raw >= 0, meta_ref[lens_at + seq], 0)
+    cu_lo, cu_hi = meta_ref[cu_at + seq], meta_ref[cu_at + seq + 1]
+    pos = kv_len - (cu_hi - cu_lo) + (q_start - cu_lo)  # this token's position
+    kv_hi = jnp.where(n_tok > 0, jnp.maximum(jnp.minimum(kv_len, pos + 1), 0), 0)
+    kv_lo = 0 if window is None else jnp.maximum(pos - window + 1, 0)
+    blk_lo = kv_lo // block_kv
+    blk_hi = (kv_hi + block_kv - 1) // block_kv
+    if splits > 1:
+        per = (jnp.maximum(blk_hi - blk_lo, 0) + splits - 1) // splits
+        blk_lo = blk_lo + split * per
+        blk_hi = jnp.minimum(blk_lo + per, blk_hi)
+    blk_hi = jnp.maximum(blk_hi, blk_lo)
+    # Blocks wholly inside [kv_lo, kv_hi) need no mask: [blk_a, blk_b).
+    blk_a = jnp.clip((kv_lo + block_kv - 1) // block_kv, blk_lo, blk_hi)
+    blk_b = jnp.clip(kv_hi // block_kv, blk_a, blk_hi)
+
+    def issue(b, slot):
+        for j in range(pages_per_blk):
+            page = meta_ref[pages_at + seq * pages_per_seq + jnp.minimum(b * pages_per_blk + j, pages_per_seq - 1)]
+            page = jnp.clip(page, 0, num_pages - 1)
+            rows = pl.ds(j * page_size, page_size)
+            plgpu.copy_gmem_to_smem(kv_ref.at[0, h, page], k_smem.at[slot, rows], kv_bars.at[slot])
+            plgpu.copy_gmem_to_smem(kv_ref.at[1, h, page], v_smem.at[slot, rows], kv_bars.at[slot])
+
+    @pl.when(n_tok > 0)
+    def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[q_start, h], q_smem.at[pl.ds(0, gp)], q_bar)
+        for i in range(num_stages):
+            pl.when(blk_lo + i < blk_hi)(functools.partial(issue, blk_lo + i, i))
+        plgpu.barrier_wait(q_bar)
+
+        def step(b, carry, masked):
+            acc, m, denom = carry
+            slot = lax.rem(b - blk_lo, num_stages)
+            plgpu.barrier_wait(kv_bars.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            if soft_cap is not None:
+                s = (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
+            else:
+                s = s * (sm_scale * LOG2E)
+            if masked:
+                key = b * block_kv + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
+                                                            layout=plgpu.Layout.WGMMA)
+                s = jnp.where((key < kv_hi) & (key >= kv_lo), s, -jnp.inf)
+                # Zero the V rows of masked keys: 0 * (whatever a free slot holds) must stay 0.
+                v_tile = v_smem.at[slot]
+                row = b * block_kv + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
+                                                            layout=plgpu.Layout.WGMMA)
+                v_tile[...] = jnp.where((row < kv_hi) & (row >= kv_lo), v_tile[...], jnp.zeros((), dtype))
+                plgpu.commit_smem()
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            denom = denom * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+
+            @pl.when(b + num_stages < blk_hi)
+            def _():
+                issue(b + num_stages, slot)
+
+            return acc, m_new, denom
+
+        carry = (plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                 plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                 plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+        masked_step = functools.partial(step, masked=True)
+        if window is not None:
+            carry = lax.fori_loop(blk_lo, blk_a, masked_step, carry)
+        carry = lax.fori_loop(blk_a, blk_b, functools.partial(step, masked=False), carry)
+        acc, m, denom = lax.fori_loop(blk_b, blk_hi, masked_step, carry)
+
+        safe = jnp.where(denom == 0.0, 1.0, denom)
+        out = acc / lax.broadcast_in_dim(safe, acc.shape, [0])
+        if splits == 1:
+            q_smem[...] = out.astype(dtype)  # Q is no longer read
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, gp)], o_ref.at[q_start, h])
+        else:
+            o_smem[...] = out
+            lse_smem[...] = jnp.where(denom > 0.0, m + jnp.log2(safe), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, gp)], o_ref.at[split, q_start, h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, gp)], lse_ref.at[split, q_start, h])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def decode_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                            sliding_window=None, soft_cap=None, config: MosaicConfig | None = None,
+                            select: str = "all"):
+    """Same contract as `reference.ragged_paged_attention`, one program per (token, kv head, split).
+
+    Meant for decode buckets (one query token per sequence); any batch is correct, but each token of a
+    longer sequence re-reads its keys. select="short": only sequences with exactly one query token are
+    computed (the decode part of a mixed bucket); the other rows of the result are left undefined.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
+    pages_per_seq = page_indices.shape[1]
+    group = num_q_heads // num_kv_heads
+    gp = -(-group // 8) * 8  # TMA copies of whole 8-row tiles
+    num_items = num_tokens if select == "all" else page_indices.shape[0]
+    config = config or tuned_config(num_items, num_kv_heads, pages_per_seq * page_size)
+    if not supports(q.dtype, head_dim, group, page_size, config.block_kv):
+        raise ValueError(f"decode_attention_mosaic: unsupported shapes/dtype ({q.dtype}, head_dim {head_dim}, "
+                         f"group {group}, page_size {page_size}, block_kv {config.block_kv})")
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    if gp != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
+    items = work_items(cu_q_lens, num_seqs, num_tokens, 1, select=select, short_len=1, num_items=num_items)
+    splits, stages, block_kv = config.num_kv_splits, config.num_stages, config.block_kv
+
+    def tiled(shape, dt):
+        bits = jnp.dtype(dt).itemsize * 8
+        transforms = (plgpu.TilingTransform((8, SWIZZLE * 8 // bits)), plgpu.SwizzleTransform(SWIZZLE))
+        return plgpu.SMEM(shape, dt, transforms=transforms)
+
+    scratch = [tiled((ROWS, head_dim), q.dtype), tiled((stages, block_kv, head_dim), q.dtype),
+               tiled((stages, block_kv, head_dim), q.dtype)]
+    if splits == 1:
+        out_type = jax.ShapeDtypeStruct(qg.shape, q.dtype)
+    else:
+        out_type = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
+                    jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
+        scratch += [tiled((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
+    scratch += [plgpu.Barrier(num_arrivals=1),
+                plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
+    # One int32 array for all metadata: a fresh buffer (the kernel needs 256-byte aligned inputs, and
+    # the engine's metadata are slices of one packed buffer).
+    meta = jnp.concatenate([*items, kv_lens, cu_q_lens, page_indices.reshape(-1)])
+    kernel = functools.partial(
+        _kernel, num_items=num_items, num_seqs_max=page_indices.shape[0], pages_per_seq=pages_per_seq,
+        splits=splits, block_kv=block_kv, num_stages=stages, page_size=page_size,
+        sm_scale=float(sm_scale), soft_cap=None if soft_cap is None else float(soft_cap),
+        window=None if sliding_window is None else int(sliding_window))
+    res = plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch, grid=(num_items, num_kv_heads, splits),
+        grid_names=("item", "head", "split"), compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(meta, qg, kv_cache)
+    if splits == 1:
+        out = res
+    else:
+        out = _merge_splits(*res).astype(q.dtype)
+    return out[:, :, :group].reshape(num_tokens, num_q_heads, head_dim)
