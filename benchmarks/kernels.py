@@ -23,7 +23,7 @@ import numpy as np
 from common import bench, positive_int
 
 from jengine.kernels_pallas.ragged_paged_attention import gpu as gpu_kernel
-from jengine.kernels_pallas.ragged_paged_attention import ragged_paged_attention, reference, write_kv
+from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic, ragged_paged_attention, reference, write_kv
 
 HQ, HKV, D = 32, 8, 128
 
@@ -161,9 +161,22 @@ def check(dtype, page_size):
 
 
 def parse_config(text):
+    """'' = the table (on Hopper: the Mosaic kernel for decode); 'triton' = the Triton table tile;
+    'm:block_kv,stages,splits' = a Mosaic decode tile; 'block_q,block_kv,splits,warps,stages' = a Triton tile."""
     if not text:
         return None
+    if text == "triton":
+        return "triton"
+    if text.startswith("m:"):
+        return gpu_mosaic.MosaicConfig(*(int(x) for x in text[2:].split(",")))
     return gpu_kernel.GpuConfig(*(int(x) for x in text.split(",")))
+
+
+def triton_table(mode, q_lens, kv_lens, page_size):
+    """The Triton tile the table gives this shape (what runs off Hopper)."""
+    s, max_kv = len(q_lens), -(-max(kv_lens) // page_size) * page_size
+    kind = "decode" if sum(q_lens) <= 2 * s else "prefill"
+    return gpu_kernel.tuned_config(kind, s, HKV, HQ // HKV, page_size, max_kv)
 
 
 def main(argv=None):
@@ -173,8 +186,9 @@ def main(argv=None):
     p.add_argument("--ctx", default="128,2048,8192,32768")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--impl", default=None, help="gpu / tpu / reference (default: by backend)")
-    p.add_argument("--configs", default="", help="';'-separated GpuConfig overrides "
-                   "'block_q,block_kv,splits,warps,stages' to time side by side (default: the table)")
+    p.add_argument("--configs", default="", help="';'-separated configs to time side by side (default: the "
+                   "table): '' (the table), 'triton' (the Triton table tile), 'm:block_kv,stages,splits' (Mosaic "
+                   "decode tile), 'block_q,block_kv,splits,warps,stages' (Triton tile)")
     p.add_argument("--max-tokens", type=int, default=65536, help="skip prefill shapes with more q tokens")
     p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")
     p.add_argument("--calls", type=positive_int, default=10,
@@ -213,13 +227,16 @@ def main(argv=None):
                     brests = [bundled_decode(args[0], r[0], args[2], args[3], a.page_size)[1][1:] for r in rests]
                     bundled_us = bench(fn, bargs, a.calls, rests=brests)
                 for cfg in configs:
+                    if cfg == "triton":
+                        cfg = triton_table(mode, q_lens, kv_lens, a.page_size)
                     fn = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, impl=a.impl, config=cfg)
                     try:
                         us = bench(fn, args, a.calls, rests=rests)
                     except Exception as e:  # a config that does not compile is reported, not fatal
                         print(f"{mode:8}{b:>5}{ctx:>7}  {str(cfg):24} failed: {type(e).__name__}: {e}"[:300])
                         continue
-                    name = "table" if cfg is None else ",".join(str(v) for v in vars(cfg).values())
+                    tag = "m:" if isinstance(cfg, gpu_mosaic.MosaicConfig) else ""
+                    name = "table" if cfg is None else tag + ",".join(str(v) for v in vars(cfg).values())
                     row = dict(mode=mode, batch=b, ctx=ctx, config=name, us=us, kv_tb_s=kv_bytes / us / 1e6,
                                tflop_s=flops / us / 1e6, bundled_us=bundled_us)
                     rows.append(row)

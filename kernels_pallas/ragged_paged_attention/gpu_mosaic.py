@@ -44,8 +44,8 @@ class MosaicConfig:
 def supports(q_dtype, head_dim: int, group: int, page_size: int, block_kv: int = 64) -> bool:
     """Whether this kernel handles the shapes (else the Triton kernel does)."""
     return (jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 64 == 0
-            and head_dim <= 256 and group <= ROWS and page_size % 8 == 0 and block_kv % page_size == 0
-            and block_kv % ROWS == 0)
+            and head_dim <= 256 and group <= ROWS and group % 4 == 0  # f32 log-sum-exp rows: 16-byte copies
+            and page_size % 8 == 0 and block_kv % page_size == 0 and block_kv % ROWS == 0)
 
 
 def tuned_config(num_items: int, num_kv_heads: int, max_kv_len: int, block_kv: int = 64,
@@ -66,7 +66,7 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
     h = lax.axis_index("head")
     split = lax.axis_index("split")
     _, _, num_pages, _, head_dim = kv_ref.shape
-    gp = q_ref.shape[2]
+    group = q_ref.shape[2]
     pages_per_blk = block_kv // page_size
     dtype = q_ref.dtype
     # meta: [seq, q_start, q_end] per item, then kv_lens [S], cu_q_lens [S + 1], page table [S, P].
@@ -103,10 +103,11 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
 
     @pl.when(n_tok > 0)
     def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[q_start, h], q_smem.at[pl.ds(0, gp)], q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[q_start, h], q_smem.at[pl.ds(0, group)], q_bar)
         for i in range(num_stages):
             pl.when(blk_lo + i < blk_hi)(functools.partial(issue, blk_lo + i, i))
         plgpu.barrier_wait(q_bar)
+        q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)  # rows past the group: never stored
 
         def step(b, carry, masked):
             acc, m, denom = carry
@@ -114,7 +115,7 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
             plgpu.barrier_wait(kv_bars.at[slot])
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
@@ -161,15 +162,15 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
         safe = jnp.where(denom == 0.0, 1.0, denom)
         out = acc / lax.broadcast_in_dim(safe, acc.shape, [0])
         if splits == 1:
-            q_smem[...] = out.astype(dtype)  # Q is no longer read
+            q_smem[...] = out.astype(dtype)  # Q is in registers
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, gp)], o_ref.at[q_start, h])
+            plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, group)], o_ref.at[q_start, h])
         else:
             o_smem[...] = out
             lse_smem[...] = jnp.where(denom > 0.0, m + jnp.log2(safe), -jnp.inf)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, gp)], o_ref.at[split, q_start, h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, gp)], lse_ref.at[split, q_start, h])
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[split, q_start, h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, group)], lse_ref.at[split, q_start, h])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -186,15 +187,12 @@ def decode_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
     pages_per_seq = page_indices.shape[1]
     group = num_q_heads // num_kv_heads
-    gp = -(-group // 8) * 8  # TMA copies of whole 8-row tiles
     num_items = num_tokens if select == "all" else page_indices.shape[0]
     config = config or tuned_config(num_items, num_kv_heads, pages_per_seq * page_size)
     if not supports(q.dtype, head_dim, group, page_size, config.block_kv):
         raise ValueError(f"decode_attention_mosaic: unsupported shapes/dtype ({q.dtype}, head_dim {head_dim}, "
                          f"group {group}, page_size {page_size}, block_kv {config.block_kv})")
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    if gp != group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
     items = work_items(cu_q_lens, num_seqs, num_tokens, 1, select=select, short_len=1, num_items=num_items)
     splits, stages, block_kv = config.num_kv_splits, config.num_stages, config.block_kv
 
@@ -203,14 +201,16 @@ def decode_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         transforms = (plgpu.TilingTransform((8, SWIZZLE * 8 // bits)), plgpu.SwizzleTransform(SWIZZLE))
         return plgpu.SMEM(shape, dt, transforms=transforms)
 
-    scratch = [tiled((ROWS, head_dim), q.dtype), tiled((stages, block_kv, head_dim), q.dtype),
+    # Q lands untiled (a TMA copy of just the group's rows) and goes to registers as the wgmma's A;
+    # the result leaves through the same buffer (f32 results through their own).
+    scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype), tiled((stages, block_kv, head_dim), q.dtype),
                tiled((stages, block_kv, head_dim), q.dtype)]
     if splits == 1:
         out_type = jax.ShapeDtypeStruct(qg.shape, q.dtype)
     else:
         out_type = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
                     jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
-        scratch += [tiled((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
+        scratch += [plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
     scratch += [plgpu.Barrier(num_arrivals=1),
                 plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
     # One int32 array for all metadata: a fresh buffer (the kernel needs 256-byte aligned inputs, and
@@ -229,4 +229,4 @@ def decode_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         out = res
     else:
         out = _merge_splits(*res).astype(q.dtype)
-    return out[:, :, :group].reshape(num_tokens, num_q_heads, head_dim)
+    return out.reshape(num_tokens, num_q_heads, head_dim)
