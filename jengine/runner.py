@@ -293,37 +293,43 @@ class ModelRunner:
         caches = self.kv_caches if self.kv_caches is not None else self._kv_cache_specs()
         workers = workers or max(1, min(16, os.cpu_count() or 1))
         bar = tqdm(total=len(buckets), desc="Compiling buckets", disable=not progress)
+        # This thread lowers the programs one at a time in a fixed order while the pool compiles those
+        # already lowered: lowering is Python (it holds the GIL anyway), and the module text must not
+        # depend on what other threads lower meanwhile, since the persistent compilation cache keys on
+        # it (concurrent lowerings of the Mosaic GPU attention kernel missed an earlier process's cache).
+        def compile_all(jobs):
+            futures = [pool.submit(lambda k, lowered, opts: (k, lowered.compile(opts)), *job) for job in jobs]
+            return (f.result() for f in futures)
 
         def forward(bucket):
             ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
-            compiled = self._forward.lower(self.params, caches, ints, floats, self.no_prev_ids,
-                                           layout=layout).compile(forward_compiler_options(bucket[0]))
-            bar.update()
-            return ("forward", layout), compiled
+            lowered = self._forward.lower(self.params, caches, ints, floats, self.no_prev_ids, layout=layout)
+            return ("forward", layout), lowered, forward_compiler_options(bucket[0])
 
-        def sample(job):
-            logits, s, filters, random, top = job
+        def sample(logits, s, filters, random, top):
             s_ints, s_floats, s_layout = pack(build_sampling_tensors([], s, self.cfg.vocab_size))
-            compiled = self._sample.lower(logits, s_ints, s_floats, layout=s_layout, filters=filters,
-                                          random=random, top_logprobs=top).compile()
-            return ("sample", s_layout, filters, random, top), compiled
+            lowered = self._sample.lower(logits, s_ints, s_floats, layout=s_layout, filters=filters,
+                                         random=random, top_logprobs=top)
+            return ("sample", s_layout, filters, random, top), lowered, None
 
-        def prompt_logprobs(job):
-            hidden, t = job
-            compiled = self._prompt_logprobs.lower(self.params, hidden, np.zeros(t, np.int32)).compile()
-            return ("prompt_logprobs", t), compiled
+        def prompt_logprobs(hidden, t):
+            lowered = self._prompt_logprobs.lower(self.params, hidden, np.zeros(t, np.int32))
+            return ("prompt_logprobs", t), lowered, None
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            forwards = list(pool.map(forward, buckets))
+            forwards = []
+            for key, compiled in compile_all(forward(b) for b in buckets):
+                forwards.append((key, compiled))
+                bar.update()
             self._compiled.update(forwards)
             logits_of, hidden_of = {}, {}
             for (t, s), (_, compiled) in zip(buckets, forwards):
                 _, logits, hidden = compiled.out_info
                 logits_of.setdefault(s, logits)
                 hidden_of.setdefault(t, hidden)
-            jobs = [(logits, s, *variant) for s, logits in logits_of.items() for variant in SAMPLER_VARIANTS]
-            self._compiled.update(pool.map(sample, jobs))
-            self._compiled.update(pool.map(prompt_logprobs, [(h, t) for t, h in hidden_of.items()]))
+            self._compiled.update(compile_all(sample(logits, s, *variant) for s, logits in logits_of.items()
+                                              for variant in SAMPLER_VARIANTS))
+            self._compiled.update(compile_all(prompt_logprobs(h, t) for t, h in hidden_of.items()))
         bar.close()
         self.allocate_kv_cache()
         # one real step: checks that the executables run

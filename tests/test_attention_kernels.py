@@ -98,8 +98,8 @@ def test_kernel_matches_reference(impl, name, q_lens, kv_lens, group, head_dim, 
 
 # The Mosaic GPU decode kernel uses wgmma, which GPU interpret mode does not simulate: on CPU it is
 # lowered for CUDA (every layout and shape check of the Mosaic GPU lowering runs); on a Hopper GPU it
-# is held to the reference. Bucket shapes: decode (T <= 2 S, every token its own item) and mixed
-# (decodes through this kernel, the rest through the Triton prefill tile into the same output).
+# is held to the reference, and the table must pick it for decode buckets (T <= 2 S, every token its
+# own item) and the Triton kernel for mixed buckets.
 MOSAIC_CASES = [
     ("decode", [1, 1, 1, 1], [1, 16, 17, 150], {}),
     ("decode_short_prompt_in_bucket", [1, 1, 3], [64, 65, 3], {}),
@@ -123,15 +123,13 @@ def test_mosaic_decode_kernel(name, q_lens, kv_lens, options, config):
     args = make_case(zlib.crc32(name.encode()), q_lens, kv_lens, group=4, head_dim=128, page_size=16,
                      dtype=jnp.bfloat16, pad_tokens=20 if name == "mixed" else 3)
     kw = dict(sm_scale=128**-0.5, **options)
-    if name == "mixed" and config is not None:
-        pytest.skip("an explicit MosaicConfig runs the decode kernel alone")
     if not _on_hopper():
-        select = "short" if name == "mixed" else "all"
-        kernel = jax.jit(lambda *a: gpu_mosaic.decode_attention_mosaic(*a, config=config, select=select, **kw))
+        kernel = jax.jit(lambda *a: gpu_mosaic.decode_attention_mosaic(*a, config=config, **kw))
         assert "mosaic_gpu" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         return
     fn = jax.jit(lambda *a: rpa.ragged_paged_attention(*a, impl="gpu", config=config, **kw))
-    assert "mosaic_gpu" in fn.trace(*args).lower().as_text()  # the table picks this kernel on Hopper
+    if config is None:  # what the table picks
+        assert ("mosaic_gpu" in fn.trace(*args).lower().as_text()) == (name != "mixed")
     assert_matches_reference(fn(*args), args, sum(q_lens), **kw)
 
 

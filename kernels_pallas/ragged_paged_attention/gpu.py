@@ -257,12 +257,14 @@ def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
                                sliding_window=None, soft_cap=None, config=None, interpret=False):
     """Same contract as `reference.ragged_paged_attention`; inputs are assumed validated.
 
-    config None: decode buckets (T <= 2 S) run one decode launch; other buckets run two launches into
-    one output, single-token sequences (decodes) with the decode kernel and the rest with the prefill
-    tile, so a decode in a mixed batch does not pay for a prefill-sized tile. On Hopper the decode
-    launches use the Mosaic GPU kernel (`gpu_mosaic`, TMA page copies) where it supports the shapes,
-    elsewhere the Triton decode tile. config: a `GpuConfig` forces one Triton launch with that tile;
-    a `gpu_mosaic.MosaicConfig` forces the Mosaic decode kernel with that tile.
+    config None: decode buckets (T <= 2 S) run one decode launch: on Hopper the Mosaic GPU kernel
+    (`gpu_mosaic`, TMA page copies) where it supports the shapes, else the Triton decode tile. Other
+    buckets run two Triton launches into one output, short sequences (decodes) with the decode tile and
+    the rest with the prefill tile, so a decode in a mixed batch does not pay for a prefill-sized tile.
+    (Mixed buckets keep the Triton decode tile: each bucket with the Mosaic kernel adds ~0.4 s of
+    lowering to every start-up, warm cache or not, and decode buckets carry most decode steps.)
+    config: a `GpuConfig` forces one Triton launch with that tile; a `gpu_mosaic.MosaicConfig` forces
+    the Mosaic decode kernel with that tile.
     """
     from . import gpu_mosaic
 
@@ -274,19 +276,15 @@ def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if isinstance(config, gpu_mosaic.MosaicConfig):
         return gpu_mosaic.decode_attention_mosaic(*args, **opts, config=config)
-    mosaic = (config is None and not interpret and _on_hopper()
-              and gpu_mosaic.supports(q.dtype, head_dim, group, page_size))
     decode_bucket = num_tokens <= 2 * num_seqs_max
-    if mosaic and decode_bucket:
+    if (config is None and decode_bucket and not interpret and _on_hopper()
+            and gpu_mosaic.supports(q.dtype, head_dim, group, page_size)):
         return gpu_mosaic.decode_attention_mosaic(*args, **opts)
     # Triton tiles need power-of-two sides: pad the group with zero query heads if it is not.
     group_p = 1 << (group - 1).bit_length()
-
-    def grouped(x):
-        x = x.reshape(num_tokens, num_kv_heads, group, head_dim)
-        return x if group_p == group else jnp.pad(x, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
-
-    qg = grouped(q)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    if group_p != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
     kw = dict(**opts, interpret=interpret)
     meta = (kv_lens, page_indices, cu_q_lens)
     tuned = functools.partial(tuned_config, num_seqs=num_seqs_max, num_kv_heads=num_kv_heads, group=group,
@@ -297,18 +295,13 @@ def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
         return max(1, cfg.block_q * group // group_p)
 
     if config is None and not decode_bucket:
+        dec = tuned("decode")  # its key splits are merged before the prefill launch writes into it
         pre = tuned("prefill")
-        bq_pre = block_q_of(pre)
-        if mosaic:  # its key splits are merged before the prefill launch writes into its output
-            short_len = 1
-            out = grouped(gpu_mosaic.decode_attention_mosaic(*args, **opts, select="short"))
-        else:
-            dec = tuned("decode")
-            short_len = bq_dec = block_q_of(dec)
-            items = work_items(cu_q_lens, num_seqs, num_tokens, bq_dec, select="short", short_len=bq_dec,
-                               num_items=num_seqs_max)
-            out = _launch(qg, kv_cache, *meta, items, dec, bq_dec, None, **kw)
-        items = work_items(cu_q_lens, num_seqs, num_tokens, bq_pre, select="long", short_len=short_len)
+        bq_dec, bq_pre = block_q_of(dec), block_q_of(pre)
+        items = work_items(cu_q_lens, num_seqs, num_tokens, bq_dec, select="short", short_len=bq_dec,
+                           num_items=num_seqs_max)
+        out = _launch(qg, kv_cache, *meta, items, dec, bq_dec, None, **kw)
+        items = work_items(cu_q_lens, num_seqs, num_tokens, bq_pre, select="long", short_len=bq_dec)
         out = _launch(qg, kv_cache, *meta, items, pre, bq_pre, out, **kw)
     else:
         config = config or tuned("decode" if decode_bucket else "prefill")

@@ -50,7 +50,10 @@ def supports(q_dtype, head_dim: int, group: int, page_size: int, block_kv: int =
 
 def tuned_config(num_items: int, num_kv_heads: int, max_kv_len: int, block_kv: int = 64,
                  num_stages: int = 2) -> MosaicConfig:
-    """Key splits so that small batches still cover the GPU: programs = items x kv heads x splits."""
+    """Key splits so that small batches still cover the GPU: programs = items x kv heads x splits.
+
+    Items count a decode bucket's padding tokens too; counting only its sequences (twice the splits at
+    batch 1-8) made the 8B decode step 0.09-0.10 ms slower on an H200 (benchmarks/RESULTS.md)."""
     programs = num_items * num_kv_heads
     splits = max(1, min(16, (2 * NUM_SMS) // max(programs, 1), max_kv_len // (4 * block_kv)))
     return MosaicConfig(block_kv, num_stages, 1 << (splits.bit_length() - 1))
@@ -175,25 +178,23 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
 
 
 def decode_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                            sliding_window=None, soft_cap=None, config: MosaicConfig | None = None,
-                            select: str = "all"):
+                            sliding_window=None, soft_cap=None, config: MosaicConfig | None = None):
     """Same contract as `reference.ragged_paged_attention`, one program per (token, kv head, split).
 
     Meant for decode buckets (one query token per sequence); any batch is correct, but each token of a
-    longer sequence re-reads its keys. select="short": only sequences with exactly one query token are
-    computed (the decode part of a mixed bucket); the other rows of the result are left undefined.
+    longer sequence re-reads its keys.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
     pages_per_seq = page_indices.shape[1]
     group = num_q_heads // num_kv_heads
-    num_items = num_tokens if select == "all" else page_indices.shape[0]
+    num_items = num_tokens  # every token is one item
     config = config or tuned_config(num_items, num_kv_heads, pages_per_seq * page_size)
     if not supports(q.dtype, head_dim, group, page_size, config.block_kv):
         raise ValueError(f"decode_attention_mosaic: unsupported shapes/dtype ({q.dtype}, head_dim {head_dim}, "
                          f"group {group}, page_size {page_size}, block_kv {config.block_kv})")
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    items = work_items(cu_q_lens, num_seqs, num_tokens, 1, select=select, short_len=1, num_items=num_items)
+    items = work_items(cu_q_lens, num_seqs, num_tokens, 1, num_items=num_items)
     splits, stages, block_kv = config.num_kv_splits, config.num_stages, config.block_kv
 
     def tiled(shape, dt):
