@@ -1,7 +1,8 @@
 """Ragged paged attention: one op for decode, prefill and mixed batches.
 
-`ragged_paged_attention` is the one place that chooses an implementation: the Pallas GPU kernel on
-GPUs, the Pallas TPU kernel on TPUs, the pure-jnp reference elsewhere (CPU). `impl=` overrides the
+`ragged_paged_attention` is the one place that chooses an implementation: the Pallas GPU kernels on
+GPUs (`gpu.py`: Triton; on Hopper its decode buckets go to the Mosaic GPU kernel in `gpu_mosaic.py`),
+the Pallas TPU kernel on TPUs, the pure-jnp reference elsewhere (CPU). `impl=` overrides the
 choice and `interpret=True` runs a Pallas kernel in interpret mode (tests on CPU).
 """
 

@@ -107,6 +107,21 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block
     return seq.astype(jnp.int32), q_start.astype(jnp.int32), q_end.astype(jnp.int32)
 
 
+def key_blocks(kv_len, first_pos, n_tok, *, window, block_kv, splits, split):
+    """The keys `[kv_lo, kv_hi)` that query tokens `[first_pos, first_pos + n_tok)` of a sequence with
+    kv_len keys see (causal, optional window), and the key blocks `[blk_lo, blk_hi)` of split `split`
+    of `splits` (blk_hi may fall below blk_lo when a split gets none). Scalars, in either kernel."""
+    kv_hi = jnp.where(n_tok > 0, jnp.maximum(jnp.minimum(kv_len, first_pos + n_tok), 0), 0)
+    kv_lo = 0 if window is None else jnp.maximum(first_pos - window + 1, 0)
+    blk_lo = kv_lo // block_kv
+    blk_hi = (kv_hi + block_kv - 1) // block_kv
+    if splits > 1:
+        per = (jnp.maximum(blk_hi - blk_lo, 0) + splits - 1) // splits
+        blk_lo = blk_lo + split * per
+        blk_hi = jnp.minimum(blk_lo + per, blk_hi)
+    return kv_lo, kv_hi, blk_lo, blk_hi
+
+
 def _kernel(seq_ref, qs_ref, qe_ref, kv_lens_ref, cu_ref, pages_ref,  # metadata
             q_ref, k_ref, v_ref,  # q [T, G, D] of this kv head; k/v [num_pages, page_size, D]
             *refs,  # [o_in (aliased to o)], o [T, G, D], [lse [T, G] with splits]
@@ -128,15 +143,8 @@ def _kernel(seq_ref, qs_ref, qe_ref, kv_lens_ref, cu_ref, pages_ref,  # metadata
     first_pos = kv_len - q_len + (q_start - cu_ref[seq])  # position of the block's first token
     n_tok = q_end - q_start
 
-    kv_hi = jnp.maximum(jnp.minimum(kv_len, first_pos + n_tok), 0)
-    kv_hi = jnp.where(n_tok > 0, kv_hi, 0)
-    kv_lo = 0 if window is None else jnp.maximum(first_pos - window + 1, 0)
-    blk_lo = kv_lo // block_kv
-    blk_hi = (kv_hi + block_kv - 1) // block_kv
-    if num_splits > 1:
-        per = (jnp.maximum(blk_hi - blk_lo, 0) + num_splits - 1) // num_splits
-        blk_lo = blk_lo + split * per
-        blk_hi = jnp.minimum(blk_lo + per, blk_hi)
+    kv_lo, kv_hi, blk_lo, blk_hi = key_blocks(kv_len, first_pos, n_tok, window=window, block_kv=block_kv,
+                                              splits=num_splits, split=split)
     # Blocks whose last key is at or before the first token's position need no mask.
     blk_full = blk_lo if window is not None else jnp.clip((first_pos + 1) // block_kv, blk_lo, blk_hi)
     blk_hi = jnp.maximum(blk_hi, blk_full)

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .gpu import LOG2E, M_INIT, NUM_SMS, _merge_splits, work_items
+from .gpu import LOG2E, M_INIT, NUM_SMS, _merge_splits, key_blocks, work_items
 
 ROWS = 64  # wgmma tile height
 SWIZZLE = 128  # bytes
@@ -83,14 +83,8 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
     kv_len = jnp.where(seq_raw >= 0, meta_ref[lens_at + seq], 0)
     cu_lo, cu_hi = meta_ref[cu_at + seq], meta_ref[cu_at + seq + 1]
     pos = kv_len - (cu_hi - cu_lo) + (q_start - cu_lo)  # this token's position
-    kv_hi = jnp.where(n_tok > 0, jnp.maximum(jnp.minimum(kv_len, pos + 1), 0), 0)
-    kv_lo = 0 if window is None else jnp.maximum(pos - window + 1, 0)
-    blk_lo = kv_lo // block_kv
-    blk_hi = (kv_hi + block_kv - 1) // block_kv
-    if splits > 1:
-        per = (jnp.maximum(blk_hi - blk_lo, 0) + splits - 1) // splits
-        blk_lo = blk_lo + split * per
-        blk_hi = jnp.minimum(blk_lo + per, blk_hi)
+    kv_lo, kv_hi, blk_lo, blk_hi = key_blocks(kv_len, pos, n_tok, window=window, block_kv=block_kv,
+                                              splits=splits, split=split)
     blk_hi = jnp.maximum(blk_hi, blk_lo)
     # Blocks wholly inside [kv_lo, kv_hi) need no mask: [blk_a, blk_b).
     blk_a = jnp.clip((kv_lo + block_kv - 1) // block_kv, blk_lo, blk_hi)
