@@ -9,9 +9,11 @@ Per key block of `block_kv` tokens the program issues one bulk copy per page for
 (`block_kv / page_size` of each, all counted on the block's barrier) into a ring of `num_stages`
 shared-memory slots, so up to `num_stages` blocks are in flight while it computes: S = Q K^T on the
 tensor cores, an online softmax in f32 registers, then acc += P V with P from registers. A slot is
-refilled as soon as its block's second wgmma has completed. Keys past the causal limit (the last
-block) are masked, and that block's V rows are zeroed in shared memory first, since slots past a
-sequence's length may hold anything.
+refilled as soon as its block's second wgmma has completed. Keys outside the visible range (past the
+causal limit in the last block; before a sliding window's start) are masked, and the V rows of those
+blocks are zeroed in shared memory first, since slots past a sequence's length may hold anything.
+All metadata enter as one int32 array built here: the kernel needs 256-byte aligned inputs, and the
+engine's metadata are slices of one packed buffer.
 
 Key splits (small batches) write f32 partial results and base-2 log-sum-exps that
 `gpu._merge_splits` combines, like the Triton kernel's.
