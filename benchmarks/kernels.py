@@ -175,7 +175,7 @@ def parse_config(text):
 def triton_table(mode, q_lens, kv_lens, page_size):
     """The Triton tile the table gives this shape (what runs off Hopper)."""
     s, max_kv = len(q_lens), -(-max(kv_lens) // page_size) * page_size
-    kind = "decode" if sum(q_lens) <= 2 * s else "prefill"
+    kind = "decode" if gpu_kernel.is_decode_bucket(sum(q_lens), s) else "prefill"
     return gpu_kernel.tuned_config(kind, s, HKV, HQ // HKV, page_size, max_kv)
 
 

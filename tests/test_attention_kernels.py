@@ -112,7 +112,7 @@ MOSAIC_CONFIGS = [None, gpu_mosaic.MosaicConfig(64, 2, 3), gpu_mosaic.MosaicConf
 def _on_hopper():
     import jax
 
-    return jax.default_backend() == "gpu" and gpu._on_hopper()
+    return jax.default_backend() == "gpu" and gpu_mosaic.on_hopper()
 
 
 @pytest.mark.parametrize("config", MOSAIC_CONFIGS, ids=["table", "64x2_split3", "128x3"])
@@ -131,6 +131,37 @@ def test_mosaic_decode_kernel(name, q_lens, kv_lens, options, config):
     if config is None:  # what the table picks
         assert ("mosaic_gpu" in fn.trace(*args).lower().as_text()) == (name != "mixed")
     assert_matches_reference(fn(*args), args, sum(q_lens), **kw)
+
+
+def test_table_picks_the_mosaic_kernel_for_hopper_decode_buckets_only(monkeypatch):
+    monkeypatch.setattr(gpu_mosaic, "on_hopper", lambda: True)
+    decode = make_case(1, [1, 1, 1], [20, 5, 40], group=4, head_dim=128, page_size=16, dtype=jnp.bfloat16)
+    mixed = make_case(1, [1, 20, 1], [20, 20, 40], group=4, head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                      pad_tokens=20)
+    f32 = make_case(1, [1, 1], [20, 5], group=4, head_dim=128, page_size=16, dtype=jnp.float32)
+    gqa2 = make_case(1, [1, 1], [20, 5], group=2, head_dim=128, page_size=16, dtype=jnp.bfloat16)
+
+    def picks(args, config=None, interpret=False):
+        return rpa._mosaic_decode(args[0], args[1], args[3], config, interpret)
+
+    assert picks(decode) and not picks(decode, interpret=True) and not picks(decode, config=CONFIGS["gpu"])
+    assert not picks(mixed) and picks(mixed, config=gpu_mosaic.MosaicConfig())
+    assert not picks(f32) and not picks(gqa2)  # f32, or a group that is not a multiple of 4: Triton
+    monkeypatch.setattr(gpu_mosaic, "on_hopper", lambda: False)
+    assert not picks(decode)
+
+
+@pytest.mark.parametrize("fields", [dict(block_kv=0), dict(num_stages=-1), dict(num_kv_splits=1.5),
+                                    dict(num_stages=True)])
+def test_mosaic_config_fields_must_be_positive_ints(fields):
+    with pytest.raises(ValueError, match=f"`{next(iter(fields))}` must be a positive int"):
+        gpu_mosaic.MosaicConfig(**fields)
+
+
+def test_mosaic_config_on_unsupported_shapes_names_config():
+    args = make_case(1, [1, 1], [20, 5], group=2, head_dim=64, page_size=16, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="`config` .* group 2"):
+        rpa.ragged_paged_attention(*args, sm_scale=0.125, impl="gpu", config=gpu_mosaic.MosaicConfig())
 
 
 def test_tpu_kernel_has_no_races_under_forced_interpret_mode(clean_tpu_interpreter):

@@ -18,10 +18,11 @@ import pytest
 
 from jengine import LLM, SamplingParams
 from jengine.generate import prompt_logits
-from jengine.kernels_pallas.ragged_paged_attention import gpu
+from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic
 from jengine.loader import load_model
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu" or not gpu._on_hopper(), reason="needs a Hopper GPU")
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu" or not gpu_mosaic.on_hopper(),
+                                reason="needs a Hopper GPU")
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 384, "hidden_size": 512,

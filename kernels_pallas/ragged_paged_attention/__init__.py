@@ -68,6 +68,22 @@ def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
            f"must be None or a positive float, got {soft_cap!r}")
 
 
+def _mosaic_decode(q, kv_cache, page_indices, config, interpret) -> bool:
+    """GPU: whether the Mosaic GPU decode kernel runs. A `MosaicConfig` asks for it; with the table
+    (config None) it takes decode buckets on Hopper where it supports the shapes. Mixed buckets stay
+    with the Triton kernel: each bucket with the Mosaic kernel adds ~0.4 s of lowering to every
+    start-up, warm compilation cache or not, and decode buckets carry most decode steps (RESULTS.md)."""
+    from . import gpu, gpu_mosaic
+
+    if isinstance(config, gpu_mosaic.MosaicConfig):
+        return True
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, page_size, _ = kv_cache.shape
+    return (config is None and not interpret and gpu.is_decode_bucket(num_tokens, page_indices.shape[0])
+            and gpu_mosaic.on_hopper()
+            and gpu_mosaic.supports(q.dtype, head_dim, num_q_heads // num_kv_heads, page_size))
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     kv_cache: jax.Array,  # [2, Hkv, num_pages, page_size, D]
@@ -87,7 +103,8 @@ def ragged_paged_attention(
 
     impl: "gpu", "tpu" or "reference"; None picks by `jax.default_backend()`.
     interpret: run the chosen Pallas kernel in interpret mode (CPU tests).
-    config: a tuning override for the chosen kernel (`gpu.GpuConfig` / `tpu.TpuConfig`), else the table.
+    config: a tuning override for the chosen kernel (`gpu.GpuConfig` / `gpu_mosaic.MosaicConfig` /
+    `tpu.TpuConfig`), else the table.
     """
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap)
@@ -99,9 +116,11 @@ def ragged_paged_attention(
     if impl == "reference":
         return reference.ragged_paged_attention(*args, **kw)
     if impl == "gpu":
-        from .gpu import ragged_paged_attention_gpu
+        from . import gpu, gpu_mosaic
 
-        return ragged_paged_attention_gpu(*args, **kw, config=config, interpret=interpret)
+        if _mosaic_decode(q, kv_cache, page_indices, config, interpret):
+            return gpu_mosaic.decode_attention_mosaic(*args, **kw, config=config)
+        return gpu.ragged_paged_attention_gpu(*args, **kw, config=config, interpret=interpret)
     from .tpu import ragged_paged_attention_tpu
 
     return ragged_paged_attention_tpu(*args, **kw, config=config, interpret=interpret)

@@ -256,44 +256,31 @@ def _launch(qg, kv_cache, kv_lens, page_indices, cu_q_lens, items, config, block
     return res if splits == 1 else _merge_splits(*res).astype(qg.dtype)
 
 
-def _on_hopper() -> bool:
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+def is_decode_bucket(num_tokens: int, num_seqs_max: int) -> bool:
+    """Whether a bucket of T tokens and S sequence rows is decode-shaped (T <= 2 S): one decode launch."""
+    return num_tokens <= 2 * num_seqs_max
 
 
 def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                               sliding_window=None, soft_cap=None, config=None, interpret=False):
+                               sliding_window=None, soft_cap=None, config: GpuConfig | None = None,
+                               interpret=False):
     """Same contract as `reference.ragged_paged_attention`; inputs are assumed validated.
 
-    config None: decode buckets (T <= 2 S) run one decode launch: on Hopper the Mosaic GPU kernel
-    (`gpu_mosaic`, TMA page copies) where it supports the shapes, else the Triton decode tile. Other
-    buckets run two Triton launches into one output, short sequences (decodes) with the decode tile and
-    the rest with the prefill tile, so a decode in a mixed batch does not pay for a prefill-sized tile.
-    (Mixed buckets keep the Triton decode tile: each bucket with the Mosaic kernel adds ~0.4 s of
-    lowering to every start-up, warm cache or not, and decode buckets carry most decode steps.)
-    config: a `GpuConfig` forces one Triton launch with that tile; a `gpu_mosaic.MosaicConfig` forces
-    the Mosaic decode kernel with that tile.
+    config None: decode buckets (`is_decode_bucket`) run one launch with the decode tile; other buckets
+    run two launches into one output, short sequences (decodes) with the decode tile and the rest with
+    the prefill tile, so a decode in a mixed batch does not pay for a prefill-sized tile.
     """
-    from . import gpu_mosaic
-
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
     num_seqs_max, pages_per_seq = page_indices.shape
     group = num_q_heads // num_kv_heads
-    args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
-    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if isinstance(config, gpu_mosaic.MosaicConfig):
-        return gpu_mosaic.decode_attention_mosaic(*args, **opts, config=config)
-    decode_bucket = num_tokens <= 2 * num_seqs_max
-    if (config is None and decode_bucket and not interpret and _on_hopper()
-            and gpu_mosaic.supports(q.dtype, head_dim, group, page_size)):
-        return gpu_mosaic.decode_attention_mosaic(*args, **opts)
+    decode_bucket = is_decode_bucket(num_tokens, num_seqs_max)
     # Triton tiles need power-of-two sides: pad the group with zero query heads if it is not.
     group_p = 1 << (group - 1).bit_length()
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     if group_p != group:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
-    kw = dict(**opts, interpret=interpret)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
     meta = (kv_lens, page_indices, cu_q_lens)
     tuned = functools.partial(tuned_config, num_seqs=num_seqs_max, num_kv_heads=num_kv_heads, group=group,
                               page_size=page_size, max_kv_len=pages_per_seq * page_size,

@@ -42,6 +42,17 @@ class MosaicConfig:
     num_stages: int = 2  # key blocks in flight per program (3-4 were slower on an H200: fewer programs per SM)
     num_kv_splits: int = 1
 
+    def __post_init__(self):
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MosaicConfig: `{name}` must be a positive int, got {value!r}")
+
+
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x), where this kernel runs."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
 
 def supports(q_dtype, head_dim: int, group: int, page_size: int, block_kv: int = 64) -> bool:
     """Whether this kernel handles the shapes (else the Triton kernel does)."""
@@ -187,8 +198,10 @@ def decode_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     num_items = num_tokens  # every token is one item
     config = config or tuned_config(num_items, num_kv_heads, pages_per_seq * page_size)
     if not supports(q.dtype, head_dim, group, page_size, config.block_kv):
-        raise ValueError(f"decode_attention_mosaic: unsupported shapes/dtype ({q.dtype}, head_dim {head_dim}, "
-                         f"group {group}, page_size {page_size}, block_kv {config.block_kv})")
+        raise ValueError(f"ragged_paged_attention: `config` {config} asks for the Mosaic GPU decode kernel, which "
+                         f"needs bf16/f16, head_dim a multiple of 64 (<= 256), a GQA group that is a multiple of 4, "
+                         f"page_size a multiple of 8 and block_kv a multiple of 64 and of page_size; got {q.dtype}, "
+                         f"head_dim {head_dim}, group {group}, page_size {page_size}")
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     items = work_items(cu_q_lens, num_seqs, num_tokens, 1, num_items=num_items)
     splits, stages, block_kv = config.num_kv_splits, config.num_stages, config.block_kv
