@@ -38,11 +38,43 @@ def run_jengine(args, requests) -> dict:
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine.scheduler.block_manager.reset_prefix_cache()
     steps0, preempt0 = engine.stats["steps"], engine.stats["preemptions"]
+    engine.step_log = [] if args.step_log else None
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if args.step_log:
+        summarize_steps(engine.step_log, start, args.step_log)
     return {"backend": "jengine", "elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "steps": engine.stats["steps"] - steps0, "preemptions": engine.stats["preemptions"] - preempt0}
+
+
+def step_kind(entry: dict) -> str:
+    if entry["prompt_tokens"] == 0:
+        return "decode"
+    return "mixed" if entry["decodes"] else "prefill"
+
+
+def summarize_steps(log: list[dict], start: float, path: str) -> None:
+    """Print the run's time per step kind and bucket, and write every step to `path` (JSON).
+
+    A step's time is the gap between its result reaching the host and the previous step's: the engine
+    launches step N+1 before it waits for step N, so while the device is the bottleneck that gap is
+    step N's device time (a gap the host caused shows up in it too)."""
+    prev = start
+    for entry in log:
+        entry["seconds"], prev = entry["done"] - prev, entry["done"]
+    groups: dict[tuple, list[dict]] = {}
+    for entry in log:
+        groups.setdefault((step_kind(entry), entry["padded_tokens"], entry["padded_seqs"]), []).append(entry)
+    rows = []
+    for (kind, t, s), entries in sorted(groups.items()):
+        secs = sum(e["seconds"] for e in entries)
+        rows.append({"kind": kind, "T": t, "S": s, "steps": len(entries), "seconds": secs,
+                     "ms_per_step": 1e3 * secs / len(entries),
+                     "mean_tokens": sum(e["tokens"] for e in entries) / len(entries),
+                     "mean_decodes": sum(e["decodes"] for e in entries) / len(entries)})
+    print_table(rows, ["kind", "T", "S", "steps", "seconds", "ms_per_step", "mean_tokens", "mean_decodes"])
+    write_json(path, {"steps": log, "summary": rows})
 
 
 def run_hf(args, requests) -> list[dict]:
@@ -78,6 +110,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hf-cb-attn", default="paged|sdpa", help="attention for generate_batch")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 ceiling for the bound")
     parser.add_argument("--peak-tb-s", type=float, default=4.3, help="copy-bandwidth ceiling for the bound")
+    parser.add_argument("--step-log", default=None,
+                        help="write every jengine step (tokens, sequences, buckets, seconds) to this JSON file "
+                             "and print the time per step kind and bucket")
     args = parser.parse_args(argv)
     if args.backend != "jengine":
         import hf_backend

@@ -133,6 +133,11 @@ class LLMEngine:
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of step()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_prompt_tokens": 0, "steps": 0,
                       "preemptions": 0}
+        # Set to a list (while no step is in flight) to record every step: its tokens and sequences,
+        # real and padded, its prompt tokens and decode rows, and when its result reached the host
+        # (`done`, perf_counter seconds). Benchmarks read it to see where a workload's time goes.
+        self.step_log: list[dict] | None = None
+        self._unresolved_log: collections.deque[dict] = collections.deque()
 
     # ------------------------------------------------------------------ requests
 
@@ -247,6 +252,8 @@ class LLMEngine:
             self.stats["steps"] += 1
             self.stats["preemptions"] += len(sched.preempted)
             self.stats["computed_prompt_tokens"] += prompt_tokens
+            if self.step_log is not None:
+                self._log_step(sched, inp, prompt_tokens)
         if inflight is not None:
             outputs += self._resolve(*inflight)
         if launched is not None:
@@ -270,6 +277,8 @@ class LLMEngine:
         if pending[1] is not None:  # this step computed prompt logprobs
             self._record_prompt_logprobs(sched, to_host(pending[1]))
         t1 = time.perf_counter()
+        if self._unresolved_log:
+            self._unresolved_log.popleft()["done"] = t1
         finished = {r.request_id for r in self.scheduler.resolve(sched, result.next_ids.tolist())}
         touched = []
         for i, entry in enumerate(sched.scheduled):
@@ -288,6 +297,14 @@ class LLMEngine:
         self.timings["wait"] += t1 - t0
         self.timings["update"] += time.perf_counter() - t1
         return outputs
+
+    def _log_step(self, sched: SchedulerOutput, inp, prompt_tokens: int) -> None:
+        entry = {"tokens": sched.num_scheduled_tokens, "seqs": len(sched.scheduled),
+                 "padded_tokens": int(inp.model.token_ids.shape[0]), "padded_seqs": int(inp.logits_indices.shape[0]),
+                 "prompt_tokens": prompt_tokens, "decodes": sum(e.num_new_tokens == 1 and e.produces_token
+                                                                 for e in sched.scheduled)}
+        self.step_log.append(entry)
+        self._unresolved_log.append(entry)
 
     def _move_pages(self, sched: SchedulerOutput) -> None:
         if sched.blocks_to_swap_out:

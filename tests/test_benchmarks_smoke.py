@@ -40,6 +40,24 @@ def test_throughput_random_and_chat_like_write_results_and_bound(tmp_path):
     assert data["results"][0]["output_tokens"] > 0
 
 
+def test_throughput_step_log_accounts_for_every_token(tmp_path):
+    log_path = tmp_path / "steps.json"
+    data = _run("throughput", [*ENGINE, "--num-prompts", "8", "--input-len", "40", "--output-len", "5",
+                               "--step-log", str(log_path)], tmp_path)
+    with open(log_path) as f:
+        log = json.load(f)
+    steps = log["steps"]
+    assert len(steps) == data["results"][0]["steps"]
+    assert sum(e["prompt_tokens"] for e in steps) == 8 * 40  # chunked prefill: 64-token steps
+    assert sum(e["tokens"] - e["prompt_tokens"] for e in steps) == 8 * 4  # the first token comes from prefill
+    assert all(e["tokens"] <= e["padded_tokens"] in (16, 64) and e["seqs"] <= e["padded_seqs"] for e in steps)
+    assert all(e["seconds"] > 0 for e in steps)
+    kinds = {r["kind"] for r in log["summary"]}
+    assert kinds == {"prefill", "mixed", "decode"}
+    assert sum(r["steps"] for r in log["summary"]) == len(steps)
+    assert abs(sum(r["seconds"] for r in log["summary"]) - sum(e["seconds"] for e in steps)) < 1e-9
+
+
 @pytest.mark.skipif(not _has_torch(), reason="torch / transformers not installed")
 def test_throughput_hf_backend_reports_ratio(tmp_path):
     data = _run("throughput", [*ENGINE, "--backend", "both", "--num-prompts", "4", "--input-len", "8",
