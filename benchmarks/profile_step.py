@@ -46,17 +46,20 @@ def category(name: str) -> str:
     return "other fusions"
 
 
-def step_input(engine: LLMEngine, batch: int, context: int, num_tokens: int, prefill_len: int = 0):
+def step_input(engine: LLMEngine, batch: int, context: int, num_tokens: int, prefill_len: int = 0,
+               decode_rows: int = 0, decode_context: int = 0):
     """B decode rows at `context` tokens, or (prefill_len > 0) B prompt chunks of prefill_len new tokens
-    after `context` cached ones; padded to `num_tokens` and the engine's sequence bucket for it."""
+    after `context` cached ones; then `decode_rows` decode rows at `decode_context` tokens (a mixed step).
+    Padded to `num_tokens` and the engine's sequence bucket for it."""
     cfg = engine.model_config
-    new = max(1, prefill_len)
-    pages = (context + new) // engine.config.block_size + 1
     rng = np.random.default_rng(batch)
-    rows = [(rng.integers(1000, size=new).tolist(), context, list(range(1 + i * pages, 1 + (i + 1) * pages)), -1,
-             None) for i in range(batch)]
-    seqs = seq_bucket(batch, num_tokens, engine.config.seq_buckets)
-    sampling = build_sampling_tensors([(SamplingParams(temperature=0), [1], [])] * batch, seqs, cfg.vocab_size)
+    rows, next_page = [], 1
+    for n, (new, ctx) in enumerate([(max(1, prefill_len), context)] * batch + [(1, decode_context)] * decode_rows):
+        pages = (ctx + new) // engine.config.block_size + 1
+        rows.append((rng.integers(1000, size=new).tolist(), ctx, list(range(next_page, next_page + pages)), -1, None))
+        next_page += pages
+    seqs = seq_bucket(len(rows), num_tokens, engine.config.seq_buckets)
+    sampling = build_sampling_tensors([(SamplingParams(temperature=0), [1], [])] * len(rows), seqs, cfg.vocab_size)
     return build_step_input(rows, num_tokens, seqs, engine.config.pages_per_seq, engine.config.block_size, sampling)
 
 
@@ -153,6 +156,9 @@ def main() -> None:
     parser.add_argument("--token-buckets", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--prefill-len", type=int, default=0,
                         help="rows are prompt chunks of this many new tokens (after --context cached ones)")
+    parser.add_argument("--decode-rows", type=int, default=0,
+                        help="add this many decode rows at --decode-context tokens to every step (mixed steps)")
+    parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--steps", type=int, default=10, help="steps traced (and 3x as many timed)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -163,7 +169,7 @@ def main() -> None:
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default flags"))
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    seqs = tuple(sorted(set(args.batch_sizes)))
+    seqs = tuple(sorted({b + args.decode_rows for b in args.batch_sizes}))
     buckets = tuple(sorted(args.token_buckets))
     t0 = time.perf_counter()
     max_len = args.max_model_len or max(1024, 2 * (args.context + args.prefill_len))
@@ -176,8 +182,8 @@ def main() -> None:
     bound_ms = 1e3 * streamed_weight_bytes(engine.runner.params) / H200_COPY_BW
     results = []
     for b in args.batch_sizes:
-        t = min(x for x in buckets if x >= b * max(1, args.prefill_len))
-        inp = step_input(engine, b, args.context, t, args.prefill_len)
+        t = min(x for x in buckets if x >= b * max(1, args.prefill_len) + args.decode_rows)
+        inp = step_input(engine, b, args.context, t, args.prefill_len, args.decode_rows, args.decode_context)
         run_steps(engine.runner, inp, 3)
         times, dispatch = [], []
         for _ in range(3):
