@@ -54,7 +54,7 @@ def step_input(engine: LLMEngine, batch: int, context: int, num_tokens: int, pre
     cfg = engine.model_config
     rng = np.random.default_rng(batch)
     rows, next_page = [], 1
-    for n, (new, ctx) in enumerate([(max(1, prefill_len), context)] * batch + [(1, decode_context)] * decode_rows):
+    for new, ctx in [(max(1, prefill_len), context)] * batch + [(1, decode_context)] * decode_rows:
         pages = (ctx + new) // engine.config.block_size + 1
         rows.append((rng.integers(1000, size=new).tolist(), ctx, list(range(next_page, next_page + pages)), -1, None))
         next_page += pages

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -122,6 +123,7 @@ class LLMEngine:
         log_memory("KV cache per device", self.runner.kv_caches)
         self.kv_cache_memory = _kv_memory_report(mem, self.runner.kv_caches)
         phases.mark("compile")  # every program compiled, the KV cache allocated, one checking step
+        _freeze_heap()
         self.startup_seconds = time.perf_counter() - t0
         self.startup_phases = phases.seconds  # where the constructor's time went, for start-up reports
         logger.info("engine start-up %.1fs: %s", self.startup_seconds,
@@ -399,6 +401,15 @@ class LLMEngine:
             for child in group.children:
                 self._child_to_group.pop(child.request.request_id, None)
         return out
+
+
+def _freeze_heap() -> None:
+    """Move every object alive after start-up (JAX, XLA executables, weights' Python wrappers: ~10^5
+    objects) out of the garbage collector's reach. Otherwise each full collection walks them all:
+    50-70 ms of the engine loop stalled, twice per 8B throughput run on an H200 (benchmarks/RESULTS.md,
+    session 7). Objects made later are collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def _enable_compilation_cache(path: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -204,4 +205,12 @@ def test_engine_arguments_of_the_wrong_type_are_named(llm):
         LLM(FIXTURE, gpu_memory_utilization="most")
     with pytest.raises(ValueError, match="swap_space"):
         LLM(FIXTURE, swap_space="4GB")
+    _assert_no_leak(llm)
+
+
+def test_start_up_freezes_the_heap_so_full_collections_do_not_stall_steps():
+    gc.unfreeze()
+    llm = _make_llm()
+    assert gc.get_freeze_count() > 10_000  # JAX, the programs, the engine: out of the collector's reach
+    assert _greedy_tokens(llm, [HF_CASES[0][0]])[0] == HF_CASES[0][1][:16]
     _assert_no_leak(llm)
