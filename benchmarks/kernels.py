@@ -89,28 +89,35 @@ def bundled_decode(q, cache, kv_lens, table, page_size):
     return fn, (q, cache[0], cache[1], kv_lens, table)  # K/V split once, outside the timed program
 
 
-def bench_write_kv(cache, num_tokens, calls, reps=5):
-    """Median µs of one `write_kv` of `num_tokens` new tokens, inside a jitted program with the cache
-    donated (as in the model's step): `calls` writes chained in one program."""
+def bench_write_kv(cache, num_tokens, calls, reps=5, impl=None):
+    """Median µs of one `write_kv` of `num_tokens` new tokens (`impl` None: the op's choice;
+    "reference": XLA's scatter), inside a jitted program with the cache donated as in the model's
+    step: programs of `calls` and `2 * calls` chained writes, the difference per extra write."""
     hkv, num_pages, page_size, d = cache.shape[1:]
     k1, k2 = jax.random.split(jax.random.key(9))
-    ks = jax.random.normal(k1, (calls, num_tokens, hkv, d), cache.dtype)
-    vs = jax.random.normal(k2, (calls, num_tokens, hkv, d), cache.dtype)
+    ks = jax.random.normal(k1, (2 * calls, num_tokens, hkv, d), cache.dtype)
+    vs = jax.random.normal(k2, (2 * calls, num_tokens, hkv, d), cache.dtype)
     slots = jnp.asarray(np.random.default_rng(0).permutation(num_pages * page_size)[:num_tokens], jnp.int32)
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def many(cache, ks, vs, slots):
-        for i in range(calls):
-            cache = write_kv(cache, ks[i], vs[i], slots)
-        return cache
+    def program(n):
+        @functools.partial(jax.jit, donate_argnums=0)
+        def many(cache, ks, vs, slots):
+            for i in range(n):
+                cache = write_kv(cache, ks[i], vs[i], slots, impl=impl)
+            return cache
+        return many
 
-    cache = jax.block_until_ready(many(cache, ks, vs, slots))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    seconds = {}
+    for n in (calls, 2 * calls):
+        many = program(n)
         cache = jax.block_until_ready(many(cache, ks, vs, slots))
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times), cache
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            cache = jax.block_until_ready(many(cache, ks, vs, slots))
+            times.append(time.perf_counter() - t0)
+        seconds[n] = statistics.median(times)
+    return (seconds[2 * calls] - seconds[calls]) / calls * 1e6, cache
 
 
 def dense_anchors(ctx, calls):
@@ -249,13 +256,14 @@ def main(argv=None):
                 if a.write_kv:
                     n_new = sum(q_lens)
                     rests = None  # the copies' memory goes back before the cache is written
-                    us, cache = bench_write_kv(args[1], n_new, a.calls)
-                    args = (args[0], cache, *args[2:])
                     written = n_new * HKV * D * 2 * 2
-                    rows.append(dict(mode=mode, batch=b, ctx=ctx, config="write_kv", us=us,
-                                     write_gb_s=written / us / 1e3))
-                    print(f"{'':8}{'':>5}{'':>7}  {'write_kv (' + str(n_new) + ' tokens)':24}{us:10.1f}"
-                          f"  {written / us / 1e3:.1f} GB/s written", flush=True)
+                    for impl, label in ((None, "write_kv"), ("reference", "write_kv XLA scatter")):
+                        us, cache = bench_write_kv(args[1], n_new, a.calls, impl=impl)
+                        args = (args[0], cache, *args[2:])
+                        rows.append(dict(mode=mode, batch=b, ctx=ctx, config=label, us=us,
+                                         write_gb_s=written / us / 1e3))
+                        print(f"{'':8}{'':>5}{'':>7}  {label + ' (' + str(n_new) + ' tokens)':36}{us:10.1f}"
+                              f"  {written / us / 1e3:.1f} GB/s written", flush=True)
                 if mode == "prefill" and b == 1 and a.anchors:
                     for name, us in dense_anchors(ctx, a.calls).items():
                         rows.append(dict(mode=mode, batch=b, ctx=ctx, config=name, us=us, tflop_s=flops / us / 1e6))

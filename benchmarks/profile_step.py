@@ -33,7 +33,7 @@ from jengine.sampling_params import SamplingParams
 
 CATEGORIES = (  # first match wins
     ("attention", re.compile(r"ragged_paged_attention|paged_attention", re.I)),
-    ("kv write", re.compile(r"scatter", re.I)),
+    ("kv write", re.compile(r"scatter|write_kv", re.I)),
     ("matmul", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|sm90_|sm80_|splitk|dot", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy", re.I)),
 )

@@ -250,3 +250,38 @@ def test_invalid_inputs_raise_value_error_naming_the_argument(arg, change):
     args, kw = _bad(**change)
     with pytest.raises(ValueError, match=f"`{arg}`"):
         rpa.ragged_paged_attention(**args, **kw)
+
+
+@pytest.mark.parametrize("impl", ["gpu", "reference"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_write_kv_writes_every_real_slot_and_nothing_else(impl, dtype):
+    import jax
+
+    rng = np.random.default_rng(7)
+    num_pages, page_size, hkv, d, t = 6, 8, 2, 32, 13
+    cache = rng.standard_normal(reference.kv_cache_shape(num_pages, page_size, hkv, d)).astype(np.float32)
+    k, v = (rng.standard_normal((t, hkv, d)).astype(np.float32) for _ in range(2))
+    slots = rng.permutation(num_pages * page_size)[:t].astype(np.int32)
+    slots[[2, 7, 12]] = -1  # padding tokens
+    want = cache.copy()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            want[0, :, s // page_size, s % page_size] = k[i]
+            want[1, :, s // page_size, s % page_size] = v[i]
+    interpret = impl == "gpu" and jax.default_backend() != "gpu"
+    fn = jax.jit(lambda c, k, v, s: rpa.write_kv(c, k, v, s, impl=impl, interpret=interpret), donate_argnums=0)
+    got = fn(jnp.asarray(cache, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(slots))
+    assert got.dtype == dtype
+    want = jnp.asarray(want, dtype).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want))
+
+
+def test_write_kv_names_bad_arguments():
+    cache = jnp.zeros(reference.kv_cache_shape(2, 8, 2, 32))
+    k = jnp.zeros((3, 2, 32))
+    with pytest.raises(ValueError, match="write_kv: `slot_mapping`"):
+        rpa.write_kv(cache, k, k, jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match="write_kv: `kv_cache`"):
+        rpa.write_kv(cache[:, :1], k, k, jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="write_kv: `impl`"):
+        rpa.write_kv(cache, k, k, jnp.zeros((3,), jnp.int32), impl="cuda")

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from . import reference
-from .reference import kv_cache_shape, write_kv
+from .reference import kv_cache_shape
 
 __all__ = ["kv_cache_shape", "ragged_paged_attention", "write_kv", "IMPLS"]
 
@@ -27,9 +27,9 @@ def _default_impl() -> str:
     return {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}.get(backend, "reference")
 
 
-def _check(ok: bool, name: str, message: str) -> None:
+def _check(ok: bool, name: str, message: str, op: str = "ragged_paged_attention") -> None:
     if not ok:
-        raise ValueError(f"ragged_paged_attention: `{name}` {message}")
+        raise ValueError(f"{op}: `{name}` {message}")
 
 
 def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
@@ -82,6 +82,31 @@ def _mosaic_decode(q, kv_cache, page_indices, config, interpret) -> bool:
     return (config is None and not interpret and gpu.is_decode_bucket(num_tokens, page_indices.shape[0])
             and gpu_mosaic.on_hopper()
             and gpu_mosaic.supports(q.dtype, head_dim, num_q_heads // num_kv_heads, page_size))
+
+
+def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
+             impl: str | None = None, interpret: bool = False) -> jax.Array:
+    """Write new K/V `[T, Hkv, D]` into their cache slots `[T]` (contract: `reference.write_kv`).
+
+    GPUs use the Pallas kernel in `gpu_write_kv.py` (XLA's scatter is ~10x slower there); TPUs and
+    the CPU use the reference's scatter."""
+    _check(k.ndim == 3 and k.shape == v.shape, "k", f"and v must both be [T, Hkv, D], got {k.shape} and {v.shape}",
+           "write_kv")
+    _check(kv_cache.ndim == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[1] == k.shape[1]
+           and kv_cache.shape[4] == k.shape[2], "kv_cache",
+           f"must be [2, Hkv={k.shape[1]}, num_pages, page_size, D={k.shape[2]}], got shape {kv_cache.shape}",
+           "write_kv")
+    _check(slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == jnp.int32, "slot_mapping",
+           f"must be int32 [T={k.shape[0]}], got {slot_mapping.dtype} {slot_mapping.shape}", "write_kv")
+    impl = _default_impl() if impl is None else impl
+    if impl not in IMPLS:
+        raise ValueError(f"write_kv: `impl` must be one of {IMPLS} or None, got {impl!r}")
+    if impl == "gpu":
+        from . import gpu_write_kv
+
+        if gpu_write_kv.supports(k.shape[2]):
+            return gpu_write_kv.write_kv_gpu(kv_cache, k, v, slot_mapping, interpret=interpret)
+    return reference.write_kv(kv_cache, k, v, slot_mapping)
 
 
 def ragged_paged_attention(
