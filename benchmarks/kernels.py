@@ -257,7 +257,10 @@ def main(argv=None):
                     n_new = sum(q_lens)
                     rests = None  # the copies' memory goes back before the cache is written
                     written = n_new * HKV * D * 2 * 2
-                    for impl, label in ((None, "write_kv"), ("reference", "write_kv XLA scatter")):
+                    impls = [("reference", "write_kv XLA scatter")]
+                    if jax.default_backend() == "gpu":
+                        impls.insert(0, ("gpu", "write_kv Pallas"))
+                    for impl, label in impls:
                         us, cache = bench_write_kv(args[1], n_new, a.calls, impl=impl)
                         args = (args[0], cache, *args[2:])
                         rows.append(dict(mode=mode, batch=b, ctx=ctx, config=label, us=us,

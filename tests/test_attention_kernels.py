@@ -285,3 +285,18 @@ def test_write_kv_names_bad_arguments():
         rpa.write_kv(cache[:, :1], k, k, jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match="write_kv: `impl`"):
         rpa.write_kv(cache, k, k, jnp.zeros((3,), jnp.int32), impl="cuda")
+
+
+def test_write_kv_uses_the_kernel_on_gpus_only_for_large_steps(monkeypatch):
+    from jengine.kernels_pallas.ragged_paged_attention import gpu_write_kv
+
+    monkeypatch.setattr(rpa, "_default_impl", lambda: "gpu")
+    monkeypatch.setattr(gpu_write_kv, "write_kv_gpu", lambda cache, *a, **kw: "kernel")
+    cache = jnp.zeros(reference.kv_cache_shape(200, 8, 2, 32))
+    for t, want in ((rpa.PALLAS_WRITE_MIN_TOKENS, "kernel"), (rpa.PALLAS_WRITE_MIN_TOKENS - 1, None)):
+        k = jnp.zeros((t, 2, 32))
+        out = rpa.write_kv(cache, k, k, jnp.full((t,), -1, jnp.int32))
+        assert out == want if want else out.shape == cache.shape
+    k = jnp.zeros((4, 2, 24))  # head size the Triton kernel cannot tile: the scatter, even when asked
+    out = rpa.write_kv(jnp.zeros(reference.kv_cache_shape(2, 8, 2, 24)), k, k, jnp.zeros((4,), jnp.int32), impl="gpu")
+    assert out.shape == (2, 2, 2, 8, 24)

@@ -19,6 +19,11 @@ from .reference import kv_cache_shape
 __all__ = ["kv_cache_shape", "ragged_paged_attention", "write_kv", "IMPLS"]
 
 IMPLS = ("gpu", "tpu", "reference")
+# GPU steps of at least this many tokens write their K/V with the Pallas kernel; smaller ones keep XLA's
+# scatter, which XLA fuses with the RoPE and the K/V split before it. In the 8B step on an H200
+# (benchmarks/RESULTS.md, session 7) the kernel took a 2048-token step's write from 35.6 to 11.9 µs per
+# layer, but at 64 tokens its extra kernels (the K/V it reads must exist as arrays) made the step slower.
+PALLAS_WRITE_MIN_TOKENS = 512
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -88,8 +93,9 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
              impl: str | None = None, interpret: bool = False) -> jax.Array:
     """Write new K/V `[T, Hkv, D]` into their cache slots `[T]` (contract: `reference.write_kv`).
 
-    GPUs use the Pallas kernel in `gpu_write_kv.py` (XLA's scatter is ~10x slower there); TPUs and
-    the CPU use the reference's scatter."""
+    impl None: on GPUs, steps of `PALLAS_WRITE_MIN_TOKENS` or more use the Pallas kernel in
+    `gpu_write_kv.py`, others XLA's scatter (the reference); TPUs and the CPU use the scatter.
+    impl="gpu" always asks for the kernel (where it supports the head size)."""
     _check(k.ndim == 3 and k.shape == v.shape, "k", f"and v must both be [T, Hkv, D], got {k.shape} and {v.shape}",
            "write_kv")
     _check(kv_cache.ndim == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[1] == k.shape[1]
@@ -98,7 +104,8 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
            "write_kv")
     _check(slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == jnp.int32, "slot_mapping",
            f"must be int32 [T={k.shape[0]}], got {slot_mapping.dtype} {slot_mapping.shape}", "write_kv")
-    impl = _default_impl() if impl is None else impl
+    if impl is None:
+        impl = _default_impl() if k.shape[0] >= PALLAS_WRITE_MIN_TOKENS else "reference"
     if impl not in IMPLS:
         raise ValueError(f"write_kv: `impl` must be one of {IMPLS} or None, got {impl!r}")
     if impl == "gpu":
