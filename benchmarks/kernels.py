@@ -168,8 +168,9 @@ def check(dtype, page_size):
 
 
 def parse_config(text):
-    """'' = the table (on Hopper: the Mosaic kernel for decode); 'triton' = the Triton table tile;
-    'm:block_kv,stages,splits' = a Mosaic decode tile; 'block_q,block_kv,splits,warps,stages' = a Triton tile."""
+    """'' = the table (on Hopper: the Mosaic kernel); 'triton' = the Triton kernel as its table runs it;
+    'm:block_kv,stages,splits[,block_q]' = a Mosaic tile; 'block_q,block_kv,splits,warps,stages' = a Triton
+    tile (one launch)."""
     if not text:
         return None
     if text == "triton":
@@ -177,13 +178,6 @@ def parse_config(text):
     if text.startswith("m:"):
         return gpu_mosaic.MosaicConfig(*(int(x) for x in text[2:].split(",")))
     return gpu_kernel.GpuConfig(*(int(x) for x in text.split(",")))
-
-
-def triton_table(mode, q_lens, kv_lens, page_size):
-    """The Triton tile the table gives this shape (what runs off Hopper)."""
-    s, max_kv = len(q_lens), -(-max(kv_lens) // page_size) * page_size
-    kind = "decode" if gpu_kernel.is_decode_bucket(sum(q_lens), s) else "prefill"
-    return gpu_kernel.tuned_config(kind, s, HKV, HQ // HKV, page_size, max_kv)
 
 
 def main(argv=None):
@@ -234,16 +228,18 @@ def main(argv=None):
                     brests = [bundled_decode(args[0], r[0], args[2], args[3], a.page_size)[1][1:] for r in rests]
                     bundled_us = bench(fn, bargs, a.calls, rests=brests)
                 for cfg in configs:
-                    if cfg == "triton":
-                        cfg = triton_table(mode, q_lens, kv_lens, a.page_size)
-                    fn = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, impl=a.impl, config=cfg)
+                    if cfg == "triton":  # the Triton kernel as its own table runs it (off Hopper)
+                        fn = functools.partial(gpu_kernel.ragged_paged_attention_gpu, sm_scale=D**-0.5)
+                    else:
+                        fn = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, impl=a.impl, config=cfg)
                     try:
                         us = bench(fn, args, a.calls, rests=rests)
                     except Exception as e:  # a config that does not compile is reported, not fatal
                         print(f"{mode:8}{b:>5}{ctx:>7}  {str(cfg):24} failed: {type(e).__name__}: {e}"[:300])
                         continue
                     tag = "m:" if isinstance(cfg, gpu_mosaic.MosaicConfig) else ""
-                    name = "table" if cfg is None else tag + ",".join(str(v) for v in vars(cfg).values())
+                    name = ("table" if cfg is None else cfg if isinstance(cfg, str)
+                            else tag + ",".join(str(v) for v in vars(cfg).values() if v is not None))
                     row = dict(mode=mode, batch=b, ctx=ctx, config=name, us=us, kv_tb_s=kv_bytes / us / 1e6,
                                tflop_s=flops / us / 1e6, bundled_us=bundled_us)
                     rows.append(row)

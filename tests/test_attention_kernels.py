@@ -96,17 +96,19 @@ def test_kernel_matches_reference(impl, name, q_lens, kv_lens, group, head_dim, 
     assert_matches_reference(out, args, sum(q_lens), sm_scale=head_dim**-0.5, **options)
 
 
-# The Mosaic GPU decode kernel uses wgmma, which GPU interpret mode does not simulate: on CPU it is
-# lowered for CUDA (every layout and shape check of the Mosaic GPU lowering runs); on a Hopper GPU it
-# is held to the reference, and the table must pick it for decode buckets (T <= 2 S, every token its
-# own item) and the Triton kernel for mixed buckets.
+# The Mosaic GPU kernel uses wgmma, which GPU interpret mode does not simulate: on CPU it is lowered
+# for CUDA (every layout and shape check of the Mosaic GPU lowering runs); on a Hopper GPU it is held to
+# the reference, and the table must pick it for every bucket shape it supports.
 MOSAIC_CASES = [
     ("decode", [1, 1, 1, 1], [1, 16, 17, 150], {}),
     ("decode_short_prompt_in_bucket", [1, 1, 3], [64, 65, 3], {}),
     ("decode_window_softcap", [1, 1, 1], [300, 40, 129], dict(sliding_window=70, soft_cap=5.0)),
     ("mixed", [1, 20, 1], [90, 20, 200], {}),
+    ("prefill_chunks", [40, 17, 33], [40, 150, 97], {}),  # whole prompt; chunks after cached keys
+    ("prefill_window", [70, 1, 35], [70, 200, 130], dict(sliding_window=23)),
 ]
-MOSAIC_CONFIGS = [None, gpu_mosaic.MosaicConfig(64, 2, 3), gpu_mosaic.MosaicConfig(128, 3, 1)]
+MOSAIC_CONFIGS = [None, gpu_mosaic.MosaicConfig(64, 2, 3), gpu_mosaic.MosaicConfig(128, 3, 1),
+                  gpu_mosaic.MosaicConfig(64, 2, 1, block_q=1)]
 
 
 def _on_hopper():
@@ -115,25 +117,35 @@ def _on_hopper():
     return jax.default_backend() == "gpu" and gpu_mosaic.on_hopper()
 
 
-@pytest.mark.parametrize("config", MOSAIC_CONFIGS, ids=["table", "64x2_split3", "128x3"])
+@pytest.mark.parametrize("config", MOSAIC_CONFIGS, ids=["table", "64x2_split3", "128x3", "block_q1"])
 @pytest.mark.parametrize("name,q_lens,kv_lens,options", MOSAIC_CASES, ids=[c[0] for c in MOSAIC_CASES])
-def test_mosaic_decode_kernel(name, q_lens, kv_lens, options, config):
+def test_mosaic_kernel(name, q_lens, kv_lens, options, config):
     import jax
 
     args = make_case(zlib.crc32(name.encode()), q_lens, kv_lens, group=4, head_dim=128, page_size=16,
                      dtype=jnp.bfloat16, pad_tokens=20 if name == "mixed" else 3)
     kw = dict(sm_scale=128**-0.5, **options)
     if not _on_hopper():
-        kernel = jax.jit(lambda *a: gpu_mosaic.decode_attention_mosaic(*a, config=config, **kw))
+        if name.startswith("prefill") and config is not None:
+            return  # lowering each config once (on the decode cases) is enough on CPU
+        kernel = jax.jit(lambda *a: gpu_mosaic.ragged_attention_mosaic(*a, config=config, **kw))
         assert "mosaic_gpu" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         return
     fn = jax.jit(lambda *a: rpa.ragged_paged_attention(*a, impl="gpu", config=config, **kw))
     if config is None:  # what the table picks
-        assert ("mosaic_gpu" in fn.trace(*args).lower().as_text()) == (name != "mixed")
+        assert "mosaic_gpu" in fn.trace(*args).lower().as_text()
     assert_matches_reference(fn(*args), args, sum(q_lens), **kw)
 
 
-def test_table_picks_the_mosaic_kernel_for_hopper_decode_buckets_only(monkeypatch):
+def test_mosaic_kernel_lowers_for_groups_of_eight():
+    import jax
+
+    args = make_case(3, [1, 9], [40, 9], group=8, head_dim=64, page_size=16, dtype=jnp.bfloat16)
+    kernel = jax.jit(lambda *a: gpu_mosaic.ragged_attention_mosaic(*a, sm_scale=0.125, sliding_window=5))
+    assert "mosaic_gpu" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_table_picks_the_mosaic_kernel_on_hopper_where_it_supports_the_shapes(monkeypatch):
     monkeypatch.setattr(gpu_mosaic, "on_hopper", lambda: True)
     decode = make_case(1, [1, 1, 1], [20, 5, 40], group=4, head_dim=128, page_size=16, dtype=jnp.bfloat16)
     mixed = make_case(1, [1, 20, 1], [20, 20, 40], group=4, head_dim=128, page_size=16, dtype=jnp.bfloat16,
@@ -142,17 +154,17 @@ def test_table_picks_the_mosaic_kernel_for_hopper_decode_buckets_only(monkeypatc
     gqa2 = make_case(1, [1, 1], [20, 5], group=2, head_dim=128, page_size=16, dtype=jnp.bfloat16)
 
     def picks(args, config=None, interpret=False):
-        return rpa._mosaic_decode(args[0], args[1], args[3], config, interpret)
+        return rpa._mosaic(args[0], args[1], config, interpret)
 
-    assert picks(decode) and not picks(decode, interpret=True) and not picks(decode, config=CONFIGS["gpu"])
-    assert not picks(mixed) and picks(mixed, config=gpu_mosaic.MosaicConfig())
+    assert picks(decode) and picks(mixed) and not picks(decode, interpret=True)
+    assert not picks(decode, config=CONFIGS["gpu"]) and picks(f32, config=gpu_mosaic.MosaicConfig())
     assert not picks(f32) and not picks(gqa2)  # f32, or a group that is not a multiple of 4: Triton
     monkeypatch.setattr(gpu_mosaic, "on_hopper", lambda: False)
     assert not picks(decode)
 
 
 @pytest.mark.parametrize("fields", [dict(block_kv=0), dict(num_stages=-1), dict(num_kv_splits=1.5),
-                                    dict(num_stages=True)])
+                                    dict(num_stages=True), dict(block_q=0)])
 def test_mosaic_config_fields_must_be_positive_ints(fields):
     with pytest.raises(ValueError, match=f"`{next(iter(fields))}` must be a positive int"):
         gpu_mosaic.MosaicConfig(**fields)

@@ -1,7 +1,8 @@
 """Ragged paged attention: one op for decode, prefill and mixed batches.
 
 `ragged_paged_attention` is the one place that chooses an implementation: the Pallas GPU kernels on
-GPUs (`gpu.py`: Triton; on Hopper its decode buckets go to the Mosaic GPU kernel in `gpu_mosaic.py`),
+GPUs (the Mosaic GPU kernel in `gpu_mosaic.py` on Hopper where it supports the shapes, else Triton's
+in `gpu.py`),
 the Pallas TPU kernel on TPUs, the pure-jnp reference elsewhere (CPU). `impl=` overrides the
 choice and `interpret=True` runs a Pallas kernel in interpret mode (tests on CPU).
 """
@@ -73,19 +74,16 @@ def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
            f"must be None or a positive float, got {soft_cap!r}")
 
 
-def _mosaic_decode(q, kv_cache, page_indices, config, interpret) -> bool:
-    """GPU: whether the Mosaic GPU decode kernel runs. A `MosaicConfig` asks for it; with the table
-    (config None) it takes decode buckets on Hopper where it supports the shapes. Mixed buckets stay
-    with the Triton kernel: each bucket with the Mosaic kernel adds ~0.4 s of lowering to every
-    start-up, warm compilation cache or not, and decode buckets carry most decode steps (RESULTS.md)."""
-    from . import gpu, gpu_mosaic
+def _mosaic(q, kv_cache, config, interpret) -> bool:
+    """GPU: whether the Mosaic GPU kernel runs (else the Triton kernel). A `MosaicConfig` asks for it;
+    with the table (config None) it runs on Hopper wherever it supports the shapes."""
+    from . import gpu_mosaic
 
     if isinstance(config, gpu_mosaic.MosaicConfig):
         return True
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = kv_cache.shape
-    return (config is None and not interpret and gpu.is_decode_bucket(num_tokens, page_indices.shape[0])
-            and gpu_mosaic.on_hopper()
+    return (config is None and not interpret and gpu_mosaic.on_hopper()
             and gpu_mosaic.supports(q.dtype, head_dim, num_q_heads // num_kv_heads, page_size))
 
 
@@ -150,8 +148,8 @@ def ragged_paged_attention(
     if impl == "gpu":
         from . import gpu, gpu_mosaic
 
-        if _mosaic_decode(q, kv_cache, page_indices, config, interpret):
-            return gpu_mosaic.decode_attention_mosaic(*args, **kw, config=config)
+        if _mosaic(q, kv_cache, config, interpret):
+            return gpu_mosaic.ragged_attention_mosaic(*args, **kw, config=config)
         return gpu.ragged_paged_attention_gpu(*args, **kw, config=config, interpret=interpret)
     from .tpu import ragged_paged_attention_tpu
 
