@@ -69,16 +69,17 @@ def supports(q_dtype, head_dim: int, group: int, page_size: int, block_kv: int =
 
 def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_len: int, block_kv: int = 64,
                  num_stages: int = 2) -> MosaicConfig:
-    """Decode buckets: key splits so that small batches still cover the GPU (programs = query blocks x
-    kv heads x splits); other buckets have enough query blocks without splitting.
+    """Decode buckets: one-token query blocks, and key splits so that small batches still cover the GPU
+    (programs = tokens x kv heads x splits); other buckets have enough query blocks without splitting.
 
     The split count counts a decode bucket's padding tokens too; counting only its sequences (twice
     the splits at batch 1-8) made the 8B decode step 0.09-0.10 ms slower on an H200 (RESULTS.md)."""
     if not is_decode_bucket(num_tokens, num_seqs_max):
         return MosaicConfig(block_kv, num_stages, 1)
+    # Decode rows are blocks of one token: a taller block would load Q rows that no row stores.
     programs = num_tokens * num_kv_heads
     splits = max(1, min(16, (2 * NUM_SMS) // max(programs, 1), max_kv_len // (4 * block_kv)))
-    return MosaicConfig(block_kv, num_stages, 1 << (splits.bit_length() - 1))
+    return MosaicConfig(block_kv, num_stages, 1 << (splits.bit_length() - 1), block_q=1)
 
 
 def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_q, block_kv,
