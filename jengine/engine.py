@@ -19,6 +19,7 @@ import numpy as np
 from jengine.buckets import pick_bucket, seq_bucket
 from jengine.detokenizer import IncrementalDetokenizer
 from jengine.engine_config import EngineConfig
+from jengine.executable_cache import ExecutableCache
 from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -109,7 +110,10 @@ class LLMEngine:
         mem = device_memory(device)
         num_pages = num_device_pages(device_cfg, ecfg, cfg.dtype, device=device, tp=tp)
         num_cpu_pages = num_host_pages(device_cfg, ecfg, cfg.dtype)
-        self.runner = ModelRunner(device_cfg, ecfg, params, num_pages, num_cpu_pages, mesh=mesh)
+        executables = None if not config.compilation_cache_dir else ExecutableCache(
+            os.path.join(config.compilation_cache_dir, "jengine-executables"))
+        self.runner = ModelRunner(device_cfg, ecfg, params, num_pages, num_cpu_pages, mesh=mesh,
+                                  executable_cache=executables)
         self.scheduler = Scheduler(
             num_blocks=num_pages, block_size=ecfg.block_size, max_num_batched_tokens=ecfg.max_num_batched_tokens,
             max_num_seqs=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len, eos_token_ids=cfg.eos_token_ids,

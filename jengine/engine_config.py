@@ -30,7 +30,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
-    compilation_cache_dir: str | None = "~/.cache/jengine/xla"  # persistent XLA cache; None: off
+    compilation_cache_dir: str | None = "~/.cache/jengine/xla"  # JAX's and jengine's executable caches; None: off
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     tensor_parallel_size: int = 1  # devices one model is split over (heads, MLP columns, vocabulary)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import os
 from typing import NamedTuple
 
@@ -22,9 +23,12 @@ from jengine import kv_cache, sharding
 from jengine.buckets import shape_pairs
 from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
+from jengine.executable_cache import ExecutableCache
 from jengine.models import ModelInput, get_model_family
 from jengine.request import PLACEHOLDER
 from jengine.sampler import SamplingTensors, build_sampling_tensors, compute_logprobs, sample, sampler_switches
+
+logger = logging.getLogger(__name__)
 
 
 @jax.tree_util.register_dataclass
@@ -201,11 +205,14 @@ class ModelRunner:
     `mesh`: the tensor-parallel mesh (None: one device). `cfg` is then the model the devices hold
     (`sharding.sharded_model_config`); params arrive sharded; the cache is split by KV heads, and
     every program's output shardings are pinned so that no step sees a new input sharding (no recompiles).
+    `executable_cache`: where warm-up loads compiled programs from and stores them (None: compile all).
     """
 
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, params: dict, num_pages: int, num_host_pages: int,
-                 mesh=None):
+                 mesh=None, executable_cache: ExecutableCache | None = None):
         self.cfg, self.ecfg, self.params, self.mesh = cfg, ecfg, params, mesh
+        self.executable_cache = executable_cache
+        self.executable_cache_hits = 0  # programs warm-up loaded instead of lowering and compiling
         self.num_pages = num_pages
         cache_sharding = None if mesh is None else sharding.kv_cache_sharding(mesh)
         self._cache_sharding = cache_sharding
@@ -286,39 +293,58 @@ class ModelRunner:
     def warmup(self, progress: bool = True, workers: int | None = None) -> int:
         """Compile every program before serving, `workers` at a time (XLA compiles without the GIL):
         the forward per (T, S) bucket, then sampling per S in each of its variants and prompt
-        logprobs per T (their input shapes come from the compiled forwards), and the page moves.
-        Every step then runs an executable compiled here; the KV cache is allocated once they are
+        logprobs per T (their input shapes come from the forwards' outputs), and the page moves.
+        A program found in the executable cache is loaded instead, with no lowering and no compile.
+        Every step then runs an executable made here; the KV cache is allocated once they are
         compiled. Returns the number of buckets."""
         buckets = self.buckets()
         caches = self.kv_caches if self.kv_caches is not None else self._kv_cache_specs()
         workers = workers or max(1, min(16, os.cpu_count() or 1))
         bar = tqdm(total=len(buckets), desc="Compiling buckets", disable=not progress)
-        # This thread lowers the programs one at a time in a fixed order while the pool compiles those
-        # already lowered: lowering is Python (it holds the GIL anyway), and the module text must not
-        # depend on what other threads lower meanwhile, since the persistent compilation cache keys on
-        # it (concurrent lowerings of the Mosaic GPU attention kernel missed an earlier process's cache).
-        def compile_all(jobs):
-            futures = [pool.submit(lambda k, lowered, opts: (k, lowered.compile(opts)), *job) for job in jobs]
-            return (f.result() for f in futures)
+        cache = self.executable_cache
+        # This thread traces the programs and lowers those the executable cache lacks, one at a time in a
+        # fixed order, while the pool loads and compiles: lowering is Python (it holds the GIL anyway),
+        # and the module text must not depend on what other threads lower meanwhile, since the persistent
+        # compilation cache keys on it (concurrent lowerings of the Mosaic GPU attention kernel missed an
+        # earlier process's cache).
+        def build_all(programs):
+            jobs = []
+            for name, traced, opts in programs:
+                key = cache.key(traced, opts) if cache else None
+                stored = key is not None and cache.contains(key)
+                if stored:
+                    jobs.append((name, traced, opts, key, stored, pool.submit(cache.load, key)))
+                else:
+                    jobs.append((name, traced, opts, key, stored, pool.submit(compile_one, traced.lower(), opts, key)))
+            for name, traced, opts, key, stored, job in jobs:
+                compiled = job.result()
+                if stored and compiled is not None:
+                    self.executable_cache_hits += 1
+                elif stored:  # an entry that would not load: compiled (and stored again) after all
+                    compiled = compile_one(traced.lower(), opts, key)
+                yield name, compiled
+
+        def compile_one(lowered, opts, key):
+            return lowered.compile(opts) if key is None else cache.compile(key, lowered, opts)
 
         def forward(bucket):
             ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
-            lowered = self._forward.lower(self.params, caches, ints, floats, self.no_prev_ids, layout=layout)
-            return ("forward", layout), lowered, forward_compiler_options(bucket[0])
+            traced = self._forward.trace(self.params, caches, ints, floats, self.no_prev_ids, layout=layout)
+            return ("forward", layout), traced, forward_compiler_options(bucket[0])
 
         def sample(logits, s, filters, random, top):
             s_ints, s_floats, s_layout = pack(build_sampling_tensors([], s, self.cfg.vocab_size))
-            lowered = self._sample.lower(logits, s_ints, s_floats, layout=s_layout, filters=filters,
-                                         random=random, top_logprobs=top)
-            return ("sample", s_layout, filters, random, top), lowered, None
+            traced = self._sample.trace(logits, s_ints, s_floats, layout=s_layout, filters=filters,
+                                        random=random, top_logprobs=top)
+            return ("sample", s_layout, filters, random, top), traced, None
 
         def prompt_logprobs(hidden, t):
-            lowered = self._prompt_logprobs.lower(self.params, hidden, np.zeros(t, np.int32))
-            return ("prompt_logprobs", t), lowered, None
+            traced = self._prompt_logprobs.trace(self.params, hidden, np.zeros(t, np.int32))
+            return ("prompt_logprobs", t), traced, None
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             forwards = []
-            for key, compiled in compile_all(forward(b) for b in buckets):
+            for key, compiled in build_all(forward(b) for b in buckets):
                 forwards.append((key, compiled))
                 bar.update()
             self._compiled.update(forwards)
@@ -327,10 +353,13 @@ class ModelRunner:
                 _, logits, hidden = compiled.out_info
                 logits_of.setdefault(s, logits)
                 hidden_of.setdefault(t, hidden)
-            self._compiled.update(compile_all(sample(logits, s, *variant) for s, logits in logits_of.items()
-                                              for variant in SAMPLER_VARIANTS))
-            self._compiled.update(compile_all(prompt_logprobs(h, t) for t, h in hidden_of.items()))
+            self._compiled.update(build_all(sample(logits, s, *variant) for s, logits in logits_of.items()
+                                            for variant in SAMPLER_VARIANTS))
+            self._compiled.update(build_all(prompt_logprobs(h, t) for t, h in hidden_of.items()))
         bar.close()
+        if cache is not None:
+            logger.info("executable cache: %d of %d programs loaded from %s", self.executable_cache_hits,
+                        len(self._compiled), cache.directory)
         self.allocate_kv_cache()
         # one real step: checks that the executables run
         jax.block_until_ready(self.execute(self.dummy_input(*buckets[0]), prompt_logprobs=True))

@@ -1,8 +1,13 @@
-"""The persistent compilation cache: a second start loads the step programs instead of compiling."""
+"""The persistent compilation cache: a second start loads the step programs instead of compiling.
+
+The executable cache in front of it (tests/test_executable_cache.py) is emptied between the starts, so
+the second start reaches JAX's cache.
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -12,9 +17,11 @@ hits = []
 HIT = "/jax/compilation_cache/cache_hits"
 jax.monitoring.register_event_listener(lambda e, **k: hits.append(e) if e == HIT else None)
 from jengine import LLM
+from jengine.executable_cache import stores_loaded_executables
 llm = LLM("jengine/tiny-llama", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,),
           seq_buckets=(2,), compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
-print(json.dumps({"hits": len(hits), "buckets": llm.engine.num_compiled_buckets}))
+print(json.dumps({"hits": len(hits), "buckets": llm.engine.num_compiled_buckets,
+                  "stores_loaded": stores_loaded_executables()}))
 """
 
 
@@ -28,5 +35,8 @@ def test_second_start_hits_the_persistent_compilation_cache(tmp_path):
     first = _start(tmp_path)
     assert first["buckets"] == 1 and first["hits"] == 0
     assert any(tmp_path.iterdir()), "the first start wrote nothing to the cache"
+    shutil.rmtree(tmp_path / "jengine-executables")
     second = _start(tmp_path)
     assert second["hits"] >= 1
+    # what JAX loaded from its cache is stored only where XLA serializes it whole (not on the CPU)
+    assert bool(list((tmp_path / "jengine-executables").glob("*.jexe"))) == second["stores_loaded"]

@@ -1,0 +1,161 @@
+"""The executable cache: a warm start loads every step program without lowering or compiling it.
+
+Engine starts run in fresh processes (with different string-hash seeds), so a hit also proves that the
+key of a traced program is the same in another process. The key and file tests run in this process on
+small jitted functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jengine.executable_cache import ExecutableCache
+
+_SCRIPT = """
+import json, os, sys, jax
+lowerings = []
+lower = jax.stages.Traced.lower
+jax.stages.Traced.lower = lambda self, *a, **k: lowerings.append(1) or lower(self, *a, **k)
+from jengine import LLM, SamplingParams
+llm = LLM("jengine/tiny-llama", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,),
+          seq_buckets=(2,), compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
+out = llm.generate(["The cache"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+runner = llm.engine.runner
+print(json.dumps({"hits": runner.executable_cache_hits, "programs": len(runner._compiled),
+                  "lowerings": len(lowerings), "tokens": out[0].outputs[0].token_ids}))
+"""
+
+
+def _start(cache_dir, hash_seed: int) -> dict:
+    env = dict(os.environ, PYTHONHASHSEED=str(hash_seed))
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _entries(cache_dir) -> list:
+    return sorted((cache_dir / "jengine-executables").glob("*.jexe"))
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """A first start into an empty cache: (its report, the cache directory it filled)."""
+    cache_dir = tmp_path_factory.mktemp("cold")
+    return _start(cache_dir, hash_seed=1), cache_dir
+
+
+def test_first_start_stores_one_file_per_program(cold):
+    first, cache_dir = cold
+    assert first["hits"] == 0
+    assert first["lowerings"] == first["programs"] == len(_entries(cache_dir)) == 8  # 1 forward, 6 samplers, 1
+
+
+def test_second_start_loads_every_program_without_lowering(cold, tmp_path):
+    first, cold_dir = cold
+    shutil.copytree(cold_dir, tmp_path, dirs_exist_ok=True)
+    second = _start(tmp_path, hash_seed=2)
+    assert second["hits"] == second["programs"] == first["programs"]
+    assert second["lowerings"] == 0
+    assert second["tokens"] == first["tokens"]
+
+
+def test_corrupt_entry_is_compiled_again_and_rewritten(cold, tmp_path):
+    first, cold_dir = cold
+    shutil.copytree(cold_dir / "jengine-executables", tmp_path / "jengine-executables")  # not JAX's cache:
+    bad = _entries(tmp_path)[0]  # the program is really compiled, so it can be stored again
+    bad.write_bytes(bad.read_bytes()[:1000])
+    third = _start(tmp_path, hash_seed=3)
+    assert third["hits"] == first["programs"] - 1 and third["lowerings"] == 1
+    assert third["tokens"] == first["tokens"]
+    assert ExecutableCache(tmp_path / "jengine-executables").load(bad.stem) is not None
+
+
+def _fresh(fn):
+    """`fn` plus a constant no earlier run compiled, so that JAX's own persistent cache (enabled in this
+    process by any engine test that ran before) cannot serve it: only a real compile can be stored."""
+    salt = np.float32(uuid.uuid4().int % 1000 + 1) / np.float32(1e6)
+    return lambda x, *rest: fn(x + salt, *rest)
+
+
+def _key(fn, *args, options=None, **jit_kw):
+    return ExecutableCache("unused").key(jax.jit(fn, **jit_kw).trace(*args), options)
+
+
+def test_key_is_equal_for_identical_programs_and_changes_with_what_matters(monkeypatch):
+    f = lambda x: jnp.sin(x) * 2.0  # noqa: E731
+    x8, x16 = jnp.ones(8), jnp.ones(16)
+    base = _key(f, x8)
+    assert _key(lambda x: jnp.sin(x) * 2.0, x8) == base  # another jit of the same program
+    assert _key(f, x16) != base  # another bucket shape
+    assert _key(f, x8.astype(jnp.bfloat16)) != base
+    assert _key(f, x8, donate_argnums=0) != base
+    assert _key(f, x8, options={"xla_gpu_enable_triton_gemm": False}) != base
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert _key(f, x8) != base
+
+
+def test_key_covers_constants_the_jaxpr_text_shows_only_as_shapes():
+    # RoPE frequencies are such a constant: a new rope_theta must not load the old program
+    def with_table(theta):
+        table = 1.0 / theta ** (np.arange(8) / 8)
+        return lambda x: x * table
+
+    x = jnp.ones(8)
+    assert str(jax.jit(with_table(1e4)).trace(x).jaxpr) == str(jax.jit(with_table(5e5)).trace(x).jaxpr)
+    assert _key(with_table(1e4), x) != _key(with_table(5e5), x)
+    assert _key(with_table(1e4), x) == _key(with_table(1e4), x)
+
+
+def test_stored_program_loads_and_runs(tmp_path):
+    cache = ExecutableCache(tmp_path)
+    f = jax.jit(_fresh(lambda x, y: (x @ y, x.sum())), donate_argnums=0)
+    x, y = jnp.arange(16.0).reshape(4, 4), jnp.eye(4)
+    traced = f.trace(x, y)
+    key = cache.key(traced)
+    compiled = cache.compile(key, traced.lower())
+    loaded = cache.load(key)
+    assert loaded is not None and loaded.out_info == compiled.out_info
+    expected = [np.asarray(a) for a in f(jnp.arange(16.0).reshape(4, 4), y)]
+    assert all(np.array_equal(a, e) for a, e in zip(loaded(jnp.arange(16.0).reshape(4, 4), y), expected))
+
+
+def test_unreadable_entries_are_misses(tmp_path):
+    cache = ExecutableCache(tmp_path)
+    traced = jax.jit(_fresh(lambda x: x + 1)).trace(jnp.ones(4))
+    key = cache.key(traced)
+    assert cache.load(key) is None  # nothing stored yet
+    cache.compile(key, traced.lower())
+    entry = tmp_path / f"{key}.jexe"
+    whole = entry.read_bytes()
+    entry.write_bytes(whole[: len(whole) // 2])
+    assert cache.load(key) is None  # truncated
+    entry.write_bytes(b"not a pickle")
+    assert cache.load(key) is None
+    (tmp_path / f"{'0' * 64}.jexe").write_bytes(whole)
+    assert cache.load("0" * 64) is None  # an entry under another key's name
+
+
+def test_store_failure_is_ignored(tmp_path):
+    (tmp_path / "file").write_text("")
+    cache = ExecutableCache(tmp_path / "file" / "cache")  # cannot be created
+    traced = jax.jit(_fresh(lambda x: x * 3)).trace(jnp.ones(4))
+    compiled = cache.compile(cache.key(traced), traced.lower())
+    assert float(compiled(jnp.ones(4))[0]) == pytest.approx(3.0, abs=1e-2)
+
+
+def test_no_key_without_the_jax_internals_it_reads(monkeypatch):
+    # a JAX without them must not get a key built from less (the program is then compiled, not stored)
+    traced = jax.jit(lambda x: x + 1).trace(jnp.ones(4))
+    monkeypatch.delattr(jax.stages.Traced, "_meta_tys_flat")
+    assert ExecutableCache("unused").key(traced) is None
