@@ -8,7 +8,8 @@ spawned it to that token, split into phases (process start, imports, GPU client,
 own phases, first request). It then runs a short randomised workload (prompt lengths, output lengths and
 sampling options drawn at random) and counts the XLA compilations that happen after warm-up (the goal
 is 0), with the listener tests/test_no_recompile.py uses. startup_programs counts the programs built
-during start-up (compiled, or loaded from the persistent cache: startup_cache_hits).
+during start-up (compiled, or loaded from JAX's persistent cache: startup_cache_hits);
+executable_cache_hits counts those loaded from jengine's executable cache (neither lowered nor compiled).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def child(args) -> None:
                               "kv_cache_memory": llm.engine.kv_cache_memory,
                               "buckets": llm.engine.num_compiled_buckets, "startup_programs": startup_compiles.count,
                               "startup_cache_hits": startup_compiles.cache_hits,
+                              "executable_cache_hits": llm.engine.runner.executable_cache_hits,
                               "compilations_after_warmup": later.count}), flush=True)
 
 
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cache_dir is None:
         shutil.rmtree(cache_dir, ignore_errors=True)
     print_table(rows, ["cache", "first_token_s", "engine_startup_s", "buckets", "startup_programs",
-                       "startup_cache_hits", "compilations_after_warmup", "cache_files"])
+                       "startup_cache_hits", "executable_cache_hits", "compilations_after_warmup", "cache_files"])
     print("seconds per phase (process start and script imports / jax and jengine imports / GPU client / "
           "engine constructor / first request; the constructor's own phases after it):")
     for row in rows:
