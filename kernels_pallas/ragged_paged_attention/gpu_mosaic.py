@@ -45,7 +45,7 @@ class MosaicConfig:
     num_stages: int = 2  # key blocks in flight per program (3-4 were slower on an H200: fewer programs per SM)
     num_kv_splits: int = 1
     block_q: int | None = None  # query tokens per warpgroup; None: 64 // group (the tile's 64 rows)
-    num_warpgroups: int = 1  # warpgroups per program, each with its own block_q tokens, sharing the K/V
+    num_warpgroups: int = 1  # 1 or 2 per program, each with its own block_q tokens, sharing the K/V blocks
 
     def __post_init__(self):
         for name, value in vars(self).items():
@@ -76,7 +76,10 @@ def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_l
     The split count counts a decode bucket's padding tokens too; counting only its sequences (twice
     the splits at batch 1-8) made the 8B decode step 0.09-0.10 ms slower on an H200 (RESULTS.md)."""
     if not is_decode_bucket(num_tokens, num_seqs_max):
-        return MosaicConfig(block_kv, num_stages, 1, num_warpgroups=2)
+        # One warpgroup: two (32 tokens sharing each K/V block) were no faster on a causal 4k prompt
+        # (397 against 383 µs on an H200) and slower in a mixed bucket (286 against 176 µs), where a
+        # decode row's block leaves the second warpgroup computing rows nobody stores (RESULTS.md).
+        return MosaicConfig(block_kv, num_stages, 1)
     # Decode rows are blocks of one token: a taller block would load Q rows that no row stores.
     programs = num_tokens * num_kv_heads
     splits = max(1, min(16, (2 * NUM_SMS) // max(programs, 1), max_kv_len // (4 * block_kv)))
