@@ -5,7 +5,9 @@ query block is up to `block_q` consecutive tokens of one sequence (`gpu.work_ite
 are those tokens' `group` query heads, token-major: `block_q * group` rows fill the 64-row wgmma tile
 (the instruction's minimum height; block_q = 64 // group by default). A decode row is a block of one
 token (its other rows are never stored); a prompt chunk is cut into blocks of block_q tokens, each
-with its own causal limit per row.
+with its own causal limit per row. Optionally (`num_warpgroups=2`) a program runs two warpgroups with
+block_q tokens each over the same K/V blocks; the first issues the copies and refills a slot once a
+barrier says both are done with it (correct, but not faster on an H200 yet: not the default).
 
 Per key block of `block_kv` tokens the program issues one bulk copy per page for K and one for V
 (`block_kv / page_size` of each, all counted on the block's barrier) into a ring of `num_stages`
