@@ -1,10 +1,10 @@
 """Ragged paged attention: one op for decode, prefill and mixed batches.
 
 `ragged_paged_attention` is the one place that chooses an implementation: the Pallas GPU kernels on
-GPUs (the Mosaic GPU kernel in `gpu_mosaic.py` on Hopper where it supports the shapes, else Triton's
-in `gpu.py`),
-the Pallas TPU kernel on TPUs, the pure-jnp reference elsewhere (CPU). `impl=` overrides the
-choice and `interpret=True` runs a Pallas kernel in interpret mode (tests on CPU).
+GPUs (the Mosaic GPU kernel in `gpu_mosaic.py` on Hopper where it supports the shapes, else the Triton
+kernel in `gpu.py`), the Pallas TPU kernel on TPUs, the pure-jnp reference elsewhere (CPU). `impl=`
+overrides the choice and `interpret=True` runs a Pallas kernel in interpret mode (tests on CPU).
+`write_kv` chooses the same way for writing new K/V into the cache.
 """
 
 from __future__ import annotations

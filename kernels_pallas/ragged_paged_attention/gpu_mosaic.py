@@ -5,9 +5,7 @@ query block is up to `block_q` consecutive tokens of one sequence (`gpu.work_ite
 are those tokens' `group` query heads, token-major: `block_q * group` rows fill the 64-row wgmma tile
 (the instruction's minimum height; block_q = 64 // group by default). A decode row is a block of one
 token (its other rows are never stored); a prompt chunk is cut into blocks of block_q tokens, each
-with its own causal limit per row. Optionally (`num_warpgroups=2`) a program runs two warpgroups with
-block_q tokens each over the same K/V blocks; the first issues the copies and refills a slot once a
-barrier says both are done with it (correct, but not faster on an H200 yet: not the default).
+with its own causal limit per row.
 
 Per key block of `block_kv` tokens the program issues one bulk copy per page for K and one for V
 (`block_kv / page_size` of each, all counted on the block's barrier) into a ring of `num_stages`
@@ -46,8 +44,7 @@ class MosaicConfig:
     block_kv: int = 64  # keys per wgmma step, a multiple of page_size and of 64 (the wgmma tile height)
     num_stages: int = 2  # key blocks in flight per program (3-4 were slower on an H200: fewer programs per SM)
     num_kv_splits: int = 1
-    block_q: int | None = None  # query tokens per warpgroup; None: 64 // group (the tile's 64 rows)
-    num_warpgroups: int = 1  # 1 or 2 per program, each with its own block_q tokens, sharing the K/V blocks
+    block_q: int | None = None  # query tokens per program; None: 64 // group (the tile's 64 rows)
 
     def __post_init__(self):
         for name, value in vars(self).items():
@@ -78,9 +75,8 @@ def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_l
     The split count counts a decode bucket's padding tokens too; counting only its sequences (twice
     the splits at batch 1-8) made the 8B decode step 0.09-0.10 ms slower on an H200 (RESULTS.md)."""
     if not is_decode_bucket(num_tokens, num_seqs_max):
-        # One warpgroup: two (32 tokens sharing each K/V block) were no faster on a causal 4k prompt
-        # (397 against 383 µs on an H200) and slower in a mixed bucket (286 against 176 µs), where a
-        # decode row's block leaves the second warpgroup computing rows nobody stores (RESULTS.md).
+        # (Two warpgroups per program sharing each K/V block were tried: no faster at 4k, slower in
+        # mixed buckets; RESULTS.md, session 7.)
         return MosaicConfig(block_kv, num_stages, 1)
     # Decode rows are blocks of one token: a taller block would load Q rows that no row stores.
     programs = num_tokens * num_kv_heads
@@ -88,15 +84,12 @@ def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_l
     return MosaicConfig(block_kv, num_stages, 1 << (splits.bit_length() - 1), block_q=1)
 
 
-def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_q, num_wgs,
-            block_kv, num_stages, page_size, sm_scale, soft_cap, window):
-    if num_wgs > 1:  # a barrier per slot on which every warpgroup says it is done with the slot's block
-        *refs, consumed = refs
+def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_q, block_kv,
+            num_stages, page_size, sm_scale, soft_cap, window):
     if splits == 1:
-        o_ref, q_smem, k_smem, v_smem, q_bars, kv_bars = refs
+        o_ref, q_smem, k_smem, v_smem, q_bar, kv_bars = refs
     else:
-        o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bars, kv_bars = refs
-    wg = lax.axis_index("wg") if num_wgs > 1 else 0
+        o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, kv_bars = refs
     item = lax.axis_index("item")
     h = lax.axis_index("head")
     split = lax.axis_index("split")
@@ -115,8 +108,6 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
     kv_len = jnp.where(seq_raw >= 0, meta_ref[lens_at + seq], 0)
     cu_lo, cu_hi = meta_ref[cu_at + seq], meta_ref[cu_at + seq + 1]
     pos = kv_len - (cu_hi - cu_lo) + (q_start - cu_lo)  # the block's first token's position
-    # This warpgroup's tokens: [wg_start, wg_start + wg_tok) of the block (wg_tok may be <= 0).
-    wg_start, wg_tok = q_start + wg * block_q, n_tok - wg * block_q
     # [kv_lo, kv_hi): keys some row sees (the first token's window start, the last token's limit).
     kv_lo, kv_hi, blk_lo, blk_hi = key_blocks(kv_len, pos, n_tok, window=window, block_kv=block_kv,
                                               splits=splits, split=split)
@@ -127,7 +118,7 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
     blk_a = jnp.clip((last_lo + block_kv - 1) // block_kv, blk_lo, blk_hi)
     blk_b = jnp.clip(jnp.minimum(pos + 1, kv_hi) // block_kv, blk_a, blk_hi)
 
-    def issue(b, slot):  # by one warpgroup
+    def issue(b, slot):
         for j in range(pages_per_blk):
             page = meta_ref[pages_at + seq * pages_per_seq + jnp.minimum(b * pages_per_blk + j, pages_per_seq - 1)]
             page = jnp.clip(page, 0, num_pages - 1)
@@ -138,12 +129,12 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
     @pl.when(n_tok > 0)
     def _():
         for j in range(block_q):  # rows past the block's tokens: never stored
-            row = jnp.minimum(wg_start + j, num_tokens - 1)
-            plgpu.copy_gmem_to_smem(q_ref.at[row, h], q_smem.at[wg, pl.ds(j * group, group)], q_bars.at[wg])
+            row = jnp.minimum(q_start + j, num_tokens - 1)
+            plgpu.copy_gmem_to_smem(q_ref.at[row, h], q_smem.at[pl.ds(j * group, group)], q_bar)
         for i in range(num_stages):
-            pl.when((blk_lo + i < blk_hi) & (wg == 0))(functools.partial(issue, blk_lo + i, i))
-        plgpu.barrier_wait(q_bars.at[wg])
-        q = plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA)  # rows past the group: never stored
+            pl.when(blk_lo + i < blk_hi)(functools.partial(issue, blk_lo + i, i))
+        plgpu.barrier_wait(q_bar)
+        q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)  # rows past the group: never stored
 
         def step(b, carry, masked):
             acc, m, denom = carry
@@ -164,15 +155,14 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
                                                             layout=plgpu.Layout.WGMMA)
                 visible = key < kv_hi
                 if block_q > 1 or window is not None:
-                    # Row r is token r // group of the warpgroup's tokens: its own causal limit and window.
-                    row_pos = pos + wg * block_q + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0,
-                                                                          layout=plgpu.Layout.WGMMA) // group
+                    # Row r is token r // group of the block: its own causal limit and window start.
+                    row_pos = pos + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0,
+                                                           layout=plgpu.Layout.WGMMA) // group
                     visible &= key <= row_pos
                     if window is not None:
                         visible &= key > row_pos - window
                 s = jnp.where(visible, s, -jnp.inf)
-                # Zero the V rows no row may see: 0 * (whatever a free slot holds) must stay 0. (With
-                # several warpgroups each zeroes the same rows of the shared tile: identical writes.)
+                # Zero the V rows of masked keys: 0 * (whatever a free slot holds) must stay 0.
                 v_tile = v_smem.at[slot]
                 row = b * block_kv + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
                                                             layout=plgpu.Layout.WGMMA)
@@ -187,14 +177,10 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
 
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma: the slot is free here
-            if num_wgs > 1:
-                plgpu.barrier_arrive(consumed.at[slot])
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
-            @pl.when((b + num_stages < blk_hi) & (wg == 0))
+            @pl.when(b + num_stages < blk_hi)
             def _():
-                if num_wgs > 1:
-                    plgpu.barrier_wait(consumed.at[slot])  # every warpgroup is done with the slot
                 issue(b + num_stages, slot)
 
             return acc, m_new, denom
@@ -211,22 +197,21 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
         safe = jnp.where(denom == 0.0, 1.0, denom)
         out = acc / lax.broadcast_in_dim(safe, acc.shape, [0])
         if splits == 1:
-            q_smem.at[wg][...] = out.astype(dtype)  # Q is in registers
+            q_smem[...] = out.astype(dtype)  # Q is in registers
         else:
-            o_smem.at[wg][...] = out
-            lse_smem.at[wg][...] = jnp.where(denom > 0.0, m + jnp.log2(safe), -jnp.inf)
+            o_smem[...] = out
+            lse_smem[...] = jnp.where(denom > 0.0, m + jnp.log2(safe), -jnp.inf)
         plgpu.commit_smem()
-
         def store(j):
             rows = pl.ds(j * group, group)
             if splits == 1:
-                plgpu.copy_smem_to_gmem(q_smem.at[wg, rows], o_ref.at[wg_start + j, h])
+                plgpu.copy_smem_to_gmem(q_smem.at[rows], o_ref.at[q_start + j, h])
             else:
-                plgpu.copy_smem_to_gmem(o_smem.at[wg, rows], o_ref.at[split, wg_start + j, h])
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg, rows], lse_ref.at[split, wg_start + j, h])
+                plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, q_start + j, h])
+                plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[split, q_start + j, h])
 
         for j in range(block_q):
-            pl.when(j < wg_tok)(functools.partial(store, j))
+            pl.when(j < n_tok)(functools.partial(store, j))
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -238,16 +223,14 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     num_seqs_max, pages_per_seq = page_indices.shape
     group = num_q_heads // num_kv_heads
     config = config or tuned_config(num_tokens, num_seqs_max, num_kv_heads, pages_per_seq * page_size)
-    block_q, num_wgs = config.block_q or max(1, ROWS // group), config.num_warpgroups
-    if (not supports(q.dtype, head_dim, group, page_size, config.block_kv) or block_q * group > ROWS
-            or num_wgs > 2):
+    block_q = config.block_q or max(1, ROWS // group)
+    if not supports(q.dtype, head_dim, group, page_size, config.block_kv) or block_q * group > ROWS:
         raise ValueError(f"ragged_paged_attention: `config` {config} asks for the Mosaic GPU kernel, which needs "
                          f"bf16/f16, head_dim a multiple of 64 (<= 256), a GQA group that is a multiple of 4, "
-                         f"page_size a multiple of 8, block_kv a multiple of 64 and of page_size, block_q x "
-                         f"group <= {ROWS} and at most 2 warpgroups; got {q.dtype}, head_dim {head_dim}, "
-                         f"group {group}, page_size {page_size}")
+                         f"page_size a multiple of 8, block_kv a multiple of 64 and of page_size, and block_q x "
+                         f"group <= {ROWS}; got {q.dtype}, head_dim {head_dim}, group {group}, page_size {page_size}")
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    items = work_items(cu_q_lens, num_seqs, num_tokens, block_q * num_wgs)
+    items = work_items(cu_q_lens, num_seqs, num_tokens, block_q)
     num_items = items[0].shape[0]
     splits, stages, block_kv = config.num_kv_splits, config.num_stages, config.block_kv
 
@@ -256,33 +239,29 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         transforms = (plgpu.TilingTransform((8, SWIZZLE * 8 // bits)), plgpu.SwizzleTransform(SWIZZLE))
         return plgpu.SMEM(shape, dt, transforms=transforms)
 
-    # Q lands untiled (a TMA copy per token of just the group's rows, one buffer per warpgroup) and
-    # goes to registers as the wgmma's A; the result leaves through the same buffer (f32 results
-    # through their own).
-    scratch = [plgpu.SMEM((num_wgs, ROWS, head_dim), q.dtype), tiled((stages, block_kv, head_dim), q.dtype),
+    # Q lands untiled (a TMA copy per token of just the group's rows) and goes to registers as the
+    # wgmma's A; the result leaves through the same buffer (f32 results through their own).
+    scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype), tiled((stages, block_kv, head_dim), q.dtype),
                tiled((stages, block_kv, head_dim), q.dtype)]
     if splits == 1:
         out_type = jax.ShapeDtypeStruct(qg.shape, q.dtype)
     else:
         out_type = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
                     jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
-        scratch += [plgpu.SMEM((num_wgs, ROWS, head_dim), jnp.float32), plgpu.SMEM((num_wgs, ROWS), jnp.float32)]
-    scratch += [plgpu.Barrier(num_arrivals=block_q, num_barriers=num_wgs),
+        scratch += [plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
+    scratch += [plgpu.Barrier(num_arrivals=block_q),
                 plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
-    if num_wgs > 1:
-        scratch.append(plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages))
     # One int32 array for all metadata: a fresh buffer (the kernel needs 256-byte aligned inputs, and
     # the engine's metadata are slices of one packed buffer).
     meta = jnp.concatenate([*items, kv_lens, cu_q_lens, page_indices.reshape(-1)])
     kernel = functools.partial(
         _kernel, num_items=num_items, num_seqs_max=num_seqs_max, pages_per_seq=pages_per_seq,
-        splits=splits, block_q=block_q, num_wgs=num_wgs, block_kv=block_kv, num_stages=stages, page_size=page_size,
+        splits=splits, block_q=block_q, block_kv=block_kv, num_stages=stages, page_size=page_size,
         sm_scale=float(sm_scale), soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if sliding_window is None else int(sliding_window))
-    threads = dict(num_threads=num_wgs, thread_name="wg") if num_wgs > 1 else {}
     res = plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch, grid=(num_items, num_kv_heads, splits),
-        grid_names=("item", "head", "split"), compiler_params=plgpu.CompilerParams(approx_math=True), **threads,
+        grid_names=("item", "head", "split"), compiler_params=plgpu.CompilerParams(approx_math=True),
     )(meta, qg, kv_cache)
     if splits == 1:
         out = res
