@@ -120,6 +120,12 @@ def bench(fn, args, calls, reps=5, rests=None):
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    return net_us_per_call(seconds, calls)
+
+
+def net_us_per_call(seconds, calls: int) -> float:
+    """µs per call from `seconds(n)`, the time of a program holding n calls: the difference between
+    2 * calls and calls, per extra call (nan, with a warning, when the clock cannot see it)."""
     extra = seconds(2 * calls) - seconds(calls)
     if extra <= 0:  # the calls are too short for the clock: raise --calls
         print(f"warning: {calls} more calls took no measurable time; reported as nan (raise --calls)", flush=True)

@@ -20,7 +20,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import bench, positive_int
+from common import bench, net_us_per_call, positive_int
 
 from jengine.kernels_pallas.ragged_paged_attention import gpu as gpu_kernel
 from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic, ragged_paged_attention, reference, write_kv
@@ -99,25 +99,25 @@ def bench_write_kv(cache, num_tokens, calls, reps=5, impl=None):
     vs = jax.random.normal(k2, (2 * calls, num_tokens, hkv, d), cache.dtype)
     slots = jnp.asarray(np.random.default_rng(0).permutation(num_pages * page_size)[:num_tokens], jnp.int32)
 
-    def program(n):
+    state = {"cache": cache}
+
+    def seconds(n):
         @functools.partial(jax.jit, donate_argnums=0)
         def many(cache, ks, vs, slots):
             for i in range(n):
                 cache = write_kv(cache, ks[i], vs[i], slots, impl=impl)
             return cache
-        return many
 
-    seconds = {}
-    for n in (calls, 2 * calls):
-        many = program(n)
-        cache = jax.block_until_ready(many(cache, ks, vs, slots))
+        state["cache"] = jax.block_until_ready(many(state["cache"], ks, vs, slots))
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            cache = jax.block_until_ready(many(cache, ks, vs, slots))
+            state["cache"] = jax.block_until_ready(many(state["cache"], ks, vs, slots))
             times.append(time.perf_counter() - t0)
-        seconds[n] = statistics.median(times)
-    return (seconds[2 * calls] - seconds[calls]) / calls * 1e6, cache
+        return statistics.median(times)
+
+    us = net_us_per_call(seconds, calls)
+    return us, state["cache"]
 
 
 def dense_anchors(ctx, calls):
