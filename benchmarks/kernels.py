@@ -169,14 +169,14 @@ def check(dtype, page_size):
 
 def parse_config(text):
     """'' = the table (on Hopper: the Mosaic kernel); 'triton' = the Triton kernel as its table runs it;
-    'm:block_kv,stages,splits[,block_q]' = a Mosaic tile; 'block_q,block_kv,splits,warps,stages' = a Triton
-    tile (one launch)."""
+    'm:block_kv,stages,splits[,block_q[,compute_warpgroups]]' = a Mosaic tile (an empty block_q: the
+    default); 'block_q,block_kv,splits,warps,stages' = a Triton tile (one launch)."""
     if not text:
         return None
     if text == "triton":
         return "triton"
     if text.startswith("m:"):
-        return gpu_mosaic.MosaicConfig(*(int(x) for x in text[2:].split(",")))
+        return gpu_mosaic.MosaicConfig(*(int(x) if x else None for x in text[2:].split(",")))
     return gpu_kernel.GpuConfig(*(int(x) for x in text.split(",")))
 
 
@@ -188,8 +188,9 @@ def main(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--impl", default=None, help="gpu / tpu / reference (default: by backend)")
     p.add_argument("--configs", default="", help="';'-separated configs to time side by side (default: the "
-                   "table): '' (the table), 'triton' (the Triton table tile), 'm:block_kv,stages,splits' (Mosaic "
-                   "decode tile), 'block_q,block_kv,splits,warps,stages' (Triton tile)")
+                   "table): '' (the table), 'triton' (the Triton table tile), "
+                   "'m:block_kv,stages,splits[,block_q[,wgs]]' (Mosaic tile), "
+                   "'block_q,block_kv,splits,warps,stages' (Triton tile)")
     p.add_argument("--max-tokens", type=int, default=65536, help="skip prefill shapes with more q tokens")
     p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")
     p.add_argument("--calls", type=positive_int, default=10,

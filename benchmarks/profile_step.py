@@ -116,32 +116,35 @@ def kernel_events(data) -> dict[str, list]:
     return planes
 
 
-def summarise(events, steps: int, top_n: int = 20) -> dict:
+def summarise(events, steps: int, top_n: int = 20, gaps_n: int = 0) -> dict:
     per_cat = collections.defaultdict(float)
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
     for name, _, dur in events:
         per_cat[category(name)] += dur
         per_kernel[name][0] += dur
         per_kernel[name][1] += 1
-    intervals = sorted((s, s + d) for _, s, d in events)
-    busy, end, gaps = 0.0, None, []
-    for s, e in intervals:
+    intervals = sorted((s, s + d, name) for name, s, d in events)
+    busy, end, last, gaps = 0.0, None, "", []
+    for s, e, name in intervals:
         if end is not None and e <= end:
             continue
         if end is not None and s > end:
-            gaps.append(s - end)
+            gaps.append((s - end, last, name))
         busy += e - (s if end is None else max(s, end))
-        end = e
+        end, last = e, name
     # The host's time not hidden behind the device shows as gaps at step boundaries; the `steps` largest
     # gaps bound it (the rest of `idle` is the ordinary spacing between back-to-back kernels).
     gaps.sort(reverse=True)
+    widest = [{"us": g / 1e3, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:gaps_n]]
+    gaps = [g for g, _, _ in gaps]
     span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
     to_ms = lambda ns: ns / 1e6 / steps  # noqa: E731
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top_n]
     return {
         "kernels_per_step": len(events) / steps,
         "span_ms": to_ms(span), "busy_ms": to_ms(busy), "idle_ms": to_ms(span - busy),
-        "largest_gap_ms": to_ms(sum(gaps[:steps])), "median_gap_us": gaps[len(gaps) // 2] / 1e3 if gaps else 0.0,
+        "largest_gap_ms": to_ms(sum(gaps[:steps])), "widest_gaps": widest,
+        "median_gap_us": gaps[len(gaps) // 2] / 1e3 if gaps else 0.0,
         "categories_ms": {k: to_ms(v) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n[:110], "ms_per_step": to_ms(t), "calls_per_step": c / steps,
                          "us_per_call": t / c / 1e3} for n, (t, c) in top],
@@ -163,6 +166,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps traced (and 3x as many timed)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--top", type=int, default=12, help="kernels listed per step")
+    parser.add_argument("--gaps", type=int, default=0, help="also list the N widest idle gaps, with their neighbours")
     parser.add_argument("--host-events", type=int, default=0, help="also list the host's N busiest annotations")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
@@ -200,7 +204,7 @@ def main() -> None:
         if not planes:
             raise SystemExit("profile_step.py: the trace has no GPU kernels (it reads GPU traces only)")
         first = sorted(planes)[0]
-        summary = summarise(planes[first], args.steps, args.top)
+        summary = summarise(planes[first], args.steps, args.top, args.gaps)
         summary.update(batch=b, tokens=t, step_ms=step_ms, weight_bound_ms=bound_ms,
                        dispatch_ms=statistics.median(dispatch), device=first,
                        busy_ms_per_device={p: summarise(e, args.steps, 0)["busy_ms"] for p, e in planes.items()})
@@ -214,6 +218,8 @@ def main() -> None:
         if len(planes) > 1:
             print("    busy ms/step per device: " + ", ".join(
                 f"{p.rsplit(':', 1)[-1]} {v:.3f}" for p, v in sorted(summary["busy_ms_per_device"].items())))
+        for g in summary["widest_gaps"]:
+            print(f"    gap {g['us']:8.1f} us after {g['after']!r} before {g['before']!r}")
         summary["host_events"] = host_events(data, args.steps, args.host_events)
         for name, ms, calls in summary["host_events"]:
             print(f"    host {ms:7.3f} ms/step {calls:7.1f}x  {name}")

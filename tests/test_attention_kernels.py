@@ -108,7 +108,9 @@ MOSAIC_CASES = [
     ("prefill_window", [70, 1, 35], [70, 200, 130], dict(sliding_window=23)),
 ]
 MOSAIC_CONFIGS = [None, gpu_mosaic.MosaicConfig(64, 2, 3), gpu_mosaic.MosaicConfig(128, 3, 1),
-                  gpu_mosaic.MosaicConfig(64, 2, 1, block_q=1), gpu_mosaic.MosaicConfig(64, 2, 1)]
+                  gpu_mosaic.MosaicConfig(64, 2, 1, block_q=1), gpu_mosaic.MosaicConfig(64, 2, 1),
+                  gpu_mosaic.MosaicConfig(128, 2, 1, compute_warpgroups=2),
+                  gpu_mosaic.MosaicConfig(64, 3, 1, block_q=8, compute_warpgroups=2)]
 
 
 def _on_hopper():
@@ -118,7 +120,7 @@ def _on_hopper():
 
 
 @pytest.mark.parametrize("config", MOSAIC_CONFIGS, ids=["table", "64x2_split3", "128x3", "block_q1",
-                                                        "prefill_tile"])
+                                                        "prefill_tile", "two_wg", "two_wg_64x3_bq8"])
 @pytest.mark.parametrize("name,q_lens,kv_lens,options", MOSAIC_CASES, ids=[c[0] for c in MOSAIC_CASES])
 def test_mosaic_kernel(name, q_lens, kv_lens, options, config):
     import jax
@@ -169,6 +171,22 @@ def test_table_picks_the_mosaic_kernel_on_hopper_where_it_supports_the_shapes(mo
 def test_mosaic_config_fields_must_be_positive_ints(fields):
     with pytest.raises(ValueError, match=f"`{next(iter(fields))}` must be a positive int"):
         gpu_mosaic.MosaicConfig(**fields)
+
+
+def test_mosaic_config_warpgroups():
+    with pytest.raises(ValueError, match="`compute_warpgroups` must be 1 or 2"):
+        gpu_mosaic.MosaicConfig(compute_warpgroups=3)
+    with pytest.raises(ValueError, match="`num_kv_splits` must be 1 with two compute warpgroups"):
+        gpu_mosaic.MosaicConfig(num_kv_splits=2, compute_warpgroups=2)
+    args = make_case(1, [1, 5], [20, 5], group=4, head_dim=256, page_size=16, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="`config` .* <= 128 with two compute warpgroups"):
+        config = gpu_mosaic.MosaicConfig(compute_warpgroups=2)
+        rpa.ragged_paged_attention(*args, sm_scale=0.1, impl="gpu", config=config)
+    # The table: decode buckets one warpgroup with one-token blocks; others two compute warpgroups
+    # where head_dim allows.
+    assert gpu_mosaic.tuned_config(64, 64, 8, 1024).compute_warpgroups == 1
+    assert gpu_mosaic.tuned_config(2048, 256, 8, 1024).compute_warpgroups == 2
+    assert gpu_mosaic.tuned_config(2048, 256, 8, 1024, head_dim=256).compute_warpgroups == 1
 
 
 def test_mosaic_config_on_unsupported_shapes_names_config():

@@ -1,25 +1,30 @@
 """Ragged paged attention for Hopper GPUs: Pallas Mosaic GPU, pages copied by the TMA engine, wgmma.
 
-Scope: one program (CTA, one warpgroup) owns one query block of one kv head and one key split. A
-query block is up to `block_q` consecutive tokens of one sequence (`gpu.work_items`), and its rows
-are those tokens' `group` query heads, token-major: `block_q * group` rows fill the 64-row wgmma tile
-(the instruction's minimum height; block_q = 64 // group by default). A decode row is a block of one
-token (its other rows are never stored); a prompt chunk is cut into blocks of block_q tokens, each
-with its own causal limit per row.
+Rows. A query block is up to `block_q` consecutive tokens of one sequence (`gpu.work_items`), and its
+rows are those tokens' `group` query heads, token-major: `block_q * group` rows fill the 64-row wgmma
+tile (the instruction's minimum height; block_q = 64 // group by default). A decode row is a block of
+one token (its other rows are never stored); a prompt chunk is cut into blocks, each row with its own
+causal limit.
 
-Per key block of `block_kv` tokens the program issues one bulk copy per page for K and one for V
-(`block_kv / page_size` of each, all counted on the block's barrier) into a ring of `num_stages`
-shared-memory slots, so up to `num_stages` blocks are in flight while it computes: S = Q K^T on the
-tensor cores, an online softmax in f32 registers, then acc += P V with P from registers. A slot is
-refilled as soon as its block's second wgmma has completed. Keys no row of the block may see (past
-the last token's causal limit, before a sliding window's start for the first token) get their V rows
-zeroed in shared memory, since slots past a sequence's length may hold anything; blocks where some
-row sees less than others (the diagonal, the window's edge) are masked per row. All metadata enter as
-one int32 array built here: the kernel needs 256-byte aligned inputs, and the engine's metadata are
-slices of one packed buffer.
+Two program layouts (`MosaicConfig.compute_warpgroups`):
+- 1 (decode buckets): one program (CTA, one warpgroup) per (query block, kv head, key split). It
+  issues one bulk copy per page for K and for V (`block_kv / page_size` of each, counted on the
+  block's barrier) into a ring of `num_stages` shared-memory slots, computes S = Q K^T on the tensor
+  cores, an online softmax in f32 registers, then acc += P V with P from registers, and refills a slot
+  once its block's second wgmma has completed. Key splits (small batches) write f32 partial results
+  and base-2 log-sum-exps that `gpu._merge_splits` combines, like the Triton kernel's.
+- 2 (prefill and mixed buckets): one program per (two query blocks, kv head) with three warpgroups:
+  a copier that fills the slots (K and V on their own barriers) and refills one when both compute
+  warpgroups have released it, and two compute warpgroups, one query block each, that take turns on
+  the tensor cores: a shared barrier keeps them half a step apart, so one's softmax runs while the
+  other's matmuls do. Each K/V block read from L2 feeds twice the rows. A warpgroup without tokens (a
+  decode row's block) only keeps the barriers' counts.
 
-Key splits (small decode batches) write f32 partial results and base-2 log-sum-exps that
-`gpu._merge_splits` combines, like the Triton kernel's.
+Keys no row of the block may see (past the last token's causal limit, before a sliding window's start
+for the first token) get their V rows zeroed in shared memory, since slots past a sequence's length
+may hold anything; blocks where some row sees less than others (the diagonal, the window's edge) are
+masked per row. All metadata enter as one int32 array built here: the kernel needs 256-byte aligned
+inputs, and the engine's metadata are slices of one packed buffer.
 """
 
 from __future__ import annotations
@@ -44,7 +49,10 @@ class MosaicConfig:
     block_kv: int = 64  # keys per wgmma step, a multiple of page_size and of 64 (the wgmma tile height)
     num_stages: int = 2  # key blocks in flight per program (3-4 were slower on an H200: fewer programs per SM)
     num_kv_splits: int = 1
-    block_q: int | None = None  # query tokens per program; None: 64 // group (the tile's 64 rows)
+    block_q: int | None = None  # query tokens per compute warpgroup; None: 64 // group (the tile's 64 rows)
+    # 1: one warpgroup copies and computes; 2: two compute warpgroups share each K/V block, which a third
+    # copies in (no key splits, head_dim <= 128).
+    compute_warpgroups: int = 1
 
     def __post_init__(self):
         for name, value in vars(self).items():
@@ -52,6 +60,11 @@ class MosaicConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MosaicConfig: `{name}` must be a positive int, got {value!r}")
+        if self.compute_warpgroups not in (1, 2):
+            raise ValueError(f"MosaicConfig: `compute_warpgroups` must be 1 or 2, got {self.compute_warpgroups!r}")
+        if self.compute_warpgroups == 2 and self.num_kv_splits != 1:
+            raise ValueError("MosaicConfig: `num_kv_splits` must be 1 with two compute warpgroups, got "
+                             f"{self.num_kv_splits!r}")
 
 
 def on_hopper() -> bool:
@@ -67,78 +80,147 @@ def supports(q_dtype, head_dim: int, group: int, page_size: int, block_kv: int =
             and page_size % 8 == 0 and block_kv % page_size == 0 and block_kv % ROWS == 0)
 
 
-def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_len: int, block_kv: int = 64,
-                 num_stages: int = 2) -> MosaicConfig:
+def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_len: int,
+                 head_dim: int = 128) -> MosaicConfig:
     """Decode buckets: one-token query blocks, and key splits so that small batches still cover the GPU
     (programs = tokens x kv heads x splits); other buckets have enough query blocks without splitting.
 
     The split count counts a decode bucket's padding tokens too; counting only its sequences (twice
     the splits at batch 1-8) made the 8B decode step 0.09-0.10 ms slower on an H200 (RESULTS.md)."""
+    block_kv, num_stages = 64, 2
     if not is_decode_bucket(num_tokens, num_seqs_max):
-        # (Two warpgroups per program sharing each K/V block were tried: no faster at 4k, slower in
-        # mixed buckets; RESULTS.md, session 7.)
-        return MosaicConfig(block_kv, num_stages, 1)
+        # Two compute warpgroups: causal 4k prefill 253.8 µs (542 TFLOP/s) against 453.5 with one
+        # (H200, RESULTS.md session 8); 128-key blocks took 367 µs.
+        return MosaicConfig(block_kv, num_stages, 1, compute_warpgroups=2 if head_dim <= 128 else 1)
     # Decode rows are blocks of one token: a taller block would load Q rows that no row stores.
     programs = num_tokens * num_kv_heads
     splits = max(1, min(16, (2 * NUM_SMS) // max(programs, 1), max_kv_len // (4 * block_kv)))
     return MosaicConfig(block_kv, num_stages, 1 << (splits.bit_length() - 1), block_q=1)
 
 
+class _Item:
+    """One work item's scalars, read from the metadata array: its sequence, query tokens
+    [q_start, q_start + n_tok), the first token's position, the keys [kv_lo, kv_hi) some row sees,
+    its key blocks [blk_lo, blk_hi), and [blk_a, blk_b), the blocks every row sees whole (no mask)."""
+
+    def __init__(self, meta_ref, item, split, *, num_items, num_seqs_max, block_kv, splits, window):
+        lens_at, cu_at = 3 * num_items, 3 * num_items + num_seqs_max
+        seq_raw = meta_ref[item]
+        self.seq = jnp.maximum(seq_raw, 0)
+        self.q_start = meta_ref[num_items + item]
+        self.n_tok = meta_ref[2 * num_items + item] - self.q_start
+        kv_len = jnp.where(seq_raw >= 0, meta_ref[lens_at + self.seq], 0)
+        cu_lo, cu_hi = meta_ref[cu_at + self.seq], meta_ref[cu_at + self.seq + 1]
+        self.pos = kv_len - (cu_hi - cu_lo) + (self.q_start - cu_lo)
+        self.kv_lo, self.kv_hi, self.blk_lo, blk_hi = key_blocks(
+            kv_len, self.pos, self.n_tok, window=window, block_kv=block_kv, splits=splits, split=split)
+        self.blk_hi = jnp.maximum(blk_hi, self.blk_lo)
+        # From the last token's window start to the first token's causal limit.
+        last_lo = 0 if window is None else jnp.maximum(self.pos + self.n_tok - window, 0)
+        self.blk_a = jnp.clip((last_lo + block_kv - 1) // block_kv, self.blk_lo, self.blk_hi)
+        self.blk_b = jnp.clip(jnp.minimum(self.pos + 1, self.kv_hi) // block_kv, self.blk_a, self.blk_hi)
+
+
+def _copy_pages(meta_ref, kv_ref, which, it, h, b, dst, bar, *, pages_at, pages_per_seq, page_size):
+    """Start the bulk copies of key block b's pages of K (which=0) or V (1) into `dst`, each counted
+    on `bar`."""
+    num_pages = kv_ref.shape[2]
+    for j in range(dst.shape[0] // page_size):
+        idx = jnp.minimum(b * (dst.shape[0] // page_size) + j, pages_per_seq - 1)
+        page = jnp.clip(meta_ref[pages_at + it.seq * pages_per_seq + idx], 0, num_pages - 1)
+        plgpu.copy_gmem_to_smem(kv_ref.at[which, h, page], dst.at[pl.ds(j * page_size, page_size)], bar)
+
+
+def _scores(s, b, it, *, masked, first_pos, group, block_kv, sm_scale, soft_cap, window):
+    """Scaled (base-2) scores of key block b. Masked: keys past kv_hi, and, unless group is None (every
+    row is the same token), per row past its causal limit or before its window; rows are token-major,
+    `group` rows per token, the first at first_pos."""
+    if soft_cap is not None:
+        s = (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
+    else:
+        s = s * (sm_scale * LOG2E)
+    if masked:
+        key = b * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+        visible = key < it.kv_hi
+        if group is not None:
+            row_pos = first_pos + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA) // group
+            visible &= key <= row_pos
+            if window is not None:
+                visible &= key > row_pos - window
+        s = jnp.where(visible, s, -jnp.inf)
+    return s
+
+
+def _zero_masked_v(v_tile, b, it, block_kv):
+    """Zero the V rows of keys no row may see: 0 * (whatever a free slot holds) must stay 0."""
+    row = b * block_kv + plgpu.broadcasted_iota(jnp.int32, v_tile.shape, 0, layout=plgpu.Layout.WGMMA)
+    v_tile[...] = jnp.where((row < it.kv_hi) & (row >= it.kv_lo), v_tile[...], jnp.zeros((), v_tile.dtype))
+    plgpu.commit_smem()
+
+
+def _softmax(s, m, denom, acc):
+    """Online-softmax update: the block's probabilities and the new running max, sum and accumulator."""
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    denom = denom * alpha + p.sum(axis=1)
+    return p, m_new, denom, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+
+def _init_carry(head_dim):
+    return (plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+
+
+def _key_loops(step, it, carry, window):
+    """Run `step(b, carry, masked)` over the item's key blocks: masked ones at the window's edge,
+    unmasked ones, then masked ones at the causal edge."""
+    if window is not None:
+        carry = lax.fori_loop(it.blk_lo, it.blk_a, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(it.blk_a, it.blk_b, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(it.blk_b, it.blk_hi, functools.partial(step, masked=True), carry)
+
+
+def _normalise(acc, denom):
+    safe = jnp.where(denom == 0.0, 1.0, denom)
+    return acc / lax.broadcast_in_dim(safe, acc.shape, [0]), safe
+
+
 def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_q, block_kv,
             num_stages, page_size, sm_scale, soft_cap, window):
+    """One warpgroup per program: it issues the copies and computes."""
     if splits == 1:
         o_ref, q_smem, k_smem, v_smem, q_bar, kv_bars = refs
     else:
         o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, kv_bars = refs
-    item = lax.axis_index("item")
     h = lax.axis_index("head")
     split = lax.axis_index("split")
-    _, _, num_pages, _, head_dim = kv_ref.shape
-    num_tokens, _, group, _ = q_ref.shape
-    pages_per_blk = block_kv // page_size
+    it = _Item(meta_ref, lax.axis_index("item"), split, num_items=num_items,
+               num_seqs_max=num_seqs_max, block_kv=block_kv, splits=splits, window=window)
+    num_tokens, _, group, head_dim = q_ref.shape
     dtype = q_ref.dtype
-    # meta: [seq, q_start, q_end] per item, then kv_lens [S], cu_q_lens [S + 1], page table [S, P].
-    lens_at, cu_at = 3 * num_items, 3 * num_items + num_seqs_max
-    pages_at = cu_at + num_seqs_max + 1
-
-    seq_raw = meta_ref[item]
-    seq = jnp.maximum(seq_raw, 0)
-    q_start = meta_ref[num_items + item]
-    n_tok = meta_ref[2 * num_items + item] - q_start
-    kv_len = jnp.where(seq_raw >= 0, meta_ref[lens_at + seq], 0)
-    cu_lo, cu_hi = meta_ref[cu_at + seq], meta_ref[cu_at + seq + 1]
-    pos = kv_len - (cu_hi - cu_lo) + (q_start - cu_lo)  # the block's first token's position
-    # [kv_lo, kv_hi): keys some row sees (the first token's window start, the last token's limit).
-    kv_lo, kv_hi, blk_lo, blk_hi = key_blocks(kv_len, pos, n_tok, window=window, block_kv=block_kv,
-                                              splits=splits, split=split)
-    blk_hi = jnp.maximum(blk_hi, blk_lo)
-    # Blocks every row sees whole need no mask: [blk_a, blk_b), from the last token's window start
-    # to the first token's causal limit.
-    last_lo = 0 if window is None else jnp.maximum(pos + n_tok - window, 0)
-    blk_a = jnp.clip((last_lo + block_kv - 1) // block_kv, blk_lo, blk_hi)
-    blk_b = jnp.clip(jnp.minimum(pos + 1, kv_hi) // block_kv, blk_a, blk_hi)
+    copy = functools.partial(_copy_pages, meta_ref, kv_ref, it=it, h=h, pages_at=3 * num_items + 2 * num_seqs_max + 1,
+                             pages_per_seq=pages_per_seq, page_size=page_size)
 
     def issue(b, slot):
-        for j in range(pages_per_blk):
-            page = meta_ref[pages_at + seq * pages_per_seq + jnp.minimum(b * pages_per_blk + j, pages_per_seq - 1)]
-            page = jnp.clip(page, 0, num_pages - 1)
-            rows = pl.ds(j * page_size, page_size)
-            plgpu.copy_gmem_to_smem(kv_ref.at[0, h, page], k_smem.at[slot, rows], kv_bars.at[slot])
-            plgpu.copy_gmem_to_smem(kv_ref.at[1, h, page], v_smem.at[slot, rows], kv_bars.at[slot])
+        copy(0, b=b, dst=k_smem.at[slot], bar=kv_bars.at[slot])
+        copy(1, b=b, dst=v_smem.at[slot], bar=kv_bars.at[slot])
 
-    @pl.when(n_tok > 0)
+    @pl.when(it.n_tok > 0)
     def _():
         for j in range(block_q):  # rows past the block's tokens: never stored
-            row = jnp.minimum(q_start + j, num_tokens - 1)
+            row = jnp.minimum(it.q_start + j, num_tokens - 1)
             plgpu.copy_gmem_to_smem(q_ref.at[row, h], q_smem.at[pl.ds(j * group, group)], q_bar)
         for i in range(num_stages):
-            pl.when(blk_lo + i < blk_hi)(functools.partial(issue, blk_lo + i, i))
+            pl.when(it.blk_lo + i < it.blk_hi)(functools.partial(issue, it.blk_lo + i, i))
         plgpu.barrier_wait(q_bar)
         q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)  # rows past the group: never stored
+        row_group = group if block_q > 1 or window is not None else None
 
         def step(b, carry, masked):
             acc, m, denom = carry
-            slot = lax.rem(b - blk_lo, num_stages)
+            slot = lax.rem(b - it.blk_lo, num_stages)
             plgpu.barrier_wait(kv_bars.at[slot])
 
             def qk(acc_ref):
@@ -146,73 +228,172 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-            if soft_cap is not None:
-                s = (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
-            else:
-                s = s * (sm_scale * LOG2E)
+            s = _scores(s, b, it, masked=masked, first_pos=it.pos, group=row_group, block_kv=block_kv,
+                        sm_scale=sm_scale, soft_cap=soft_cap, window=window)
             if masked:
-                key = b * block_kv + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
-                                                            layout=plgpu.Layout.WGMMA)
-                visible = key < kv_hi
-                if block_q > 1 or window is not None:
-                    # Row r is token r // group of the block: its own causal limit and window start.
-                    row_pos = pos + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0,
-                                                           layout=plgpu.Layout.WGMMA) // group
-                    visible &= key <= row_pos
-                    if window is not None:
-                        visible &= key > row_pos - window
-                s = jnp.where(visible, s, -jnp.inf)
-                # Zero the V rows of masked keys: 0 * (whatever a free slot holds) must stay 0.
-                v_tile = v_smem.at[slot]
-                row = b * block_kv + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
-                                                            layout=plgpu.Layout.WGMMA)
-                v_tile[...] = jnp.where((row < kv_hi) & (row >= kv_lo), v_tile[...], jnp.zeros((), dtype))
-                plgpu.commit_smem()
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            denom = denom * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                _zero_masked_v(v_smem.at[slot], b, it, block_kv)
+            p, m, denom, acc = _softmax(s, m, denom, acc)
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            pl.when(b + num_stages < it.blk_hi)(functools.partial(issue, b + num_stages, slot))
+            return acc, m, denom
 
-            @pl.when(b + num_stages < blk_hi)
-            def _():
-                issue(b + num_stages, slot)
-
-            return acc, m_new, denom
-
-        carry = (plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-                 plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                 plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-        masked_step = functools.partial(step, masked=True)
-        if window is not None:
-            carry = lax.fori_loop(blk_lo, blk_a, masked_step, carry)
-        carry = lax.fori_loop(blk_a, blk_b, functools.partial(step, masked=False), carry)
-        acc, m, denom = lax.fori_loop(blk_b, blk_hi, masked_step, carry)
-
-        safe = jnp.where(denom == 0.0, 1.0, denom)
-        out = acc / lax.broadcast_in_dim(safe, acc.shape, [0])
+        acc, m, denom = _key_loops(step, it, _init_carry(head_dim), window)
+        out, safe = _normalise(acc, denom)
         if splits == 1:
             q_smem[...] = out.astype(dtype)  # Q is in registers
         else:
             o_smem[...] = out
             lse_smem[...] = jnp.where(denom > 0.0, m + jnp.log2(safe), -jnp.inf)
         plgpu.commit_smem()
+
         def store(j):
             rows = pl.ds(j * group, group)
             if splits == 1:
-                plgpu.copy_smem_to_gmem(q_smem.at[rows], o_ref.at[q_start + j, h])
+                plgpu.copy_smem_to_gmem(q_smem.at[rows], o_ref.at[it.q_start + j, h])
             else:
-                plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, q_start + j, h])
-                plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[split, q_start + j, h])
+                plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, it.q_start + j, h])
+                plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[split, it.q_start + j, h])
 
         for j in range(block_q):
-            pl.when(j < n_tok)(functools.partial(store, j))
+            pl.when(j < it.n_tok)(functools.partial(store, j))
         plgpu.wait_smem_to_gmem(0)
+
+
+def _kernel_ws(meta_ref, q_ref, kv_ref, o_ref, *, num_items, num_seqs_max, pages_per_seq, block_q, block_kv,
+               num_stages, page_size, sm_scale, soft_cap, window):
+    """Warp-specialised: two compute warpgroups of `block_q` tokens each share every K/V block, which a
+    third warpgroup copies in. The compute warpgroups take turns on the tensor cores (one's softmax
+    runs under the other's matmuls), kept half a step apart by a shared barrier."""
+    num_tokens, _, group, head_dim = q_ref.shape
+    dtype = q_ref.dtype
+
+    def body(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, k_free, v_free, turn):
+        wg = lax.axis_index("wg")
+        h = lax.axis_index("head")
+        it = _Item(meta_ref, num_items - 1 - lax.axis_index("item"), 0, num_items=num_items,
+                   num_seqs_max=num_seqs_max, block_kv=block_kv, splits=1, window=window)
+
+        def take_turn():
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        @pl.when((it.n_tok > 0) & (wg == 2))
+        def _copier():
+            plgpu.set_max_registers(40, action="decrease")
+            copy = functools.partial(_copy_pages, meta_ref, kv_ref, it=it, h=h, pages_per_seq=pages_per_seq,
+                                     pages_at=3 * num_items + 2 * num_seqs_max + 1, page_size=page_size)
+
+            def issue(b, slot, wait):
+                if wait:  # until both compute warpgroups are done with the slot's previous block
+                    plgpu.barrier_wait(k_free.at[slot])
+                copy(0, b=b, dst=k_smem.at[slot], bar=k_bars.at[slot])
+                if wait:
+                    plgpu.barrier_wait(v_free.at[slot])
+                copy(1, b=b, dst=v_smem.at[slot], bar=v_bars.at[slot])
+
+            for i in range(num_stages):
+                pl.when(it.blk_lo + i < it.blk_hi)(functools.partial(issue, it.blk_lo + i, i, False))
+
+            @pl.loop(it.blk_lo + num_stages, it.blk_hi)
+            def _(b):
+                issue(b, lax.rem(b - it.blk_lo, num_stages), True)
+
+        first = wg * block_q  # this warpgroup's tokens: [first, first + mine) of the item's
+        mine = jnp.clip(it.n_tok - first, 0, block_q)
+
+        @pl.when((it.n_tok > 0) & (wg < 2))
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            pl.when(wg == 1)(take_turn)  # half a step behind warpgroup 0
+
+            @pl.when(mine == 0)
+            def _idle():  # no tokens here (a short item): keep the barriers' counts
+                @pl.loop(it.blk_lo, it.blk_hi)
+                def _(b):
+                    slot = lax.rem(b - it.blk_lo, num_stages)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    take_turn()
+                    take_turn()
+
+            @pl.when(mine > 0)
+            def _work():
+                q_mine = q_smem.at[wg]
+                for j in range(block_q):  # rows past the tokens: never stored
+                    row = jnp.minimum(it.q_start + first + j, num_tokens - 1)
+                    plgpu.copy_gmem_to_smem(q_ref.at[row, h], q_mine.at[pl.ds(j * group, group)], q_bars.at[wg])
+                plgpu.barrier_wait(q_bars.at[wg])
+                q = plgpu.load(q_mine, layout=plgpu.Layout.WGMMA)
+                # (The padding segment's items see no keys: no block comes.)
+                pl.when(it.blk_hi > it.blk_lo)(lambda: plgpu.barrier_wait(k_bars.at[0]))
+
+                def step(b, carry, masked):
+                    acc, m, denom = carry
+                    slot = lax.rem(b - it.blk_lo, num_stages)
+
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
+                        take_turn()
+                        return acc_ref[...]
+
+                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    s = _scores(s, b, it, masked=masked, first_pos=it.pos + first, group=group,
+                                block_kv=block_kv, sm_scale=sm_scale, soft_cap=soft_cap, window=window)
+                    p, m, denom, acc = _softmax(s, m, denom, acc)
+                    p = p.astype(dtype)
+                    acc, m, denom, p = lax.optimization_barrier((acc, m, denom, p))
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    if masked:  # both compute warpgroups write the same zeros
+                        _zero_masked_v(v_smem.at[slot], b, it, block_kv)
+                    plgpu.barrier_wait(turn)
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+
+                        @pl.when(b + 1 < it.blk_hi)
+                        def _():
+                            plgpu.barrier_wait(k_bars.at[lax.rem(b + 1 - it.blk_lo, num_stages)])
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m, denom
+
+                acc, _, denom = _key_loops(step, it, _init_carry(head_dim), window)
+                out, _ = _normalise(acc, denom)
+                q_mine[...] = out.astype(dtype)  # Q is in registers
+                plgpu.commit_smem()
+                for j in range(block_q):
+                    pl.when(j < mine)(lambda j=j: plgpu.copy_smem_to_gmem(
+                        q_mine.at[pl.ds(j * group, group)], o_ref.at[it.q_start + first + j, h]))
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.when(wg == 0)(take_turn)
+
+    pages = block_kv // page_size
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((2, ROWS, head_dim), dtype), _tiled((num_stages, block_kv, head_dim), dtype),
+        _tiled((num_stages, block_kv, head_dim), dtype),
+        plgpu.Barrier(num_arrivals=block_q, num_barriers=2),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+
+def _tiled(shape, dt):
+    bits = jnp.dtype(dt).itemsize * 8
+    transforms = (plgpu.TilingTransform((8, SWIZZLE * 8 // bits)), plgpu.SwizzleTransform(SWIZZLE))
+    return plgpu.SMEM(shape, dt, transforms=transforms)
 
 
 def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
@@ -222,27 +403,41 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
     num_seqs_max, pages_per_seq = page_indices.shape
     group = num_q_heads // num_kv_heads
-    config = config or tuned_config(num_tokens, num_seqs_max, num_kv_heads, pages_per_seq * page_size)
+    config = config or tuned_config(num_tokens, num_seqs_max, num_kv_heads, pages_per_seq * page_size, head_dim)
     block_q = config.block_q or max(1, ROWS // group)
-    if not supports(q.dtype, head_dim, group, page_size, config.block_kv) or block_q * group > ROWS:
+    wgs = config.compute_warpgroups
+    if (not supports(q.dtype, head_dim, group, page_size, config.block_kv) or block_q * group > ROWS
+            or (wgs == 2 and head_dim > 128)):
         raise ValueError(f"ragged_paged_attention: `config` {config} asks for the Mosaic GPU kernel, which needs "
-                         f"bf16/f16, head_dim a multiple of 64 (<= 256), a GQA group that is a multiple of 4, "
-                         f"page_size a multiple of 8, block_kv a multiple of 64 and of page_size, and block_q x "
-                         f"group <= {ROWS}; got {q.dtype}, head_dim {head_dim}, group {group}, page_size {page_size}")
+                         f"bf16/f16, head_dim a multiple of 64 (<= 256; <= 128 with two compute warpgroups), a GQA "
+                         f"group that is a multiple of 4, page_size a multiple of 8, block_kv a multiple of 64 and "
+                         f"of page_size, and block_q x group <= {ROWS}; got {q.dtype}, head_dim {head_dim}, group "
+                         f"{group}, page_size {page_size}")
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    items = work_items(cu_q_lens, num_seqs, num_tokens, block_q)
+    items = work_items(cu_q_lens, num_seqs, num_tokens, block_q * wgs)
     num_items = items[0].shape[0]
     splits, stages, block_kv = config.num_kv_splits, config.num_stages, config.block_kv
-
-    def tiled(shape, dt):
-        bits = jnp.dtype(dt).itemsize * 8
-        transforms = (plgpu.TilingTransform((8, SWIZZLE * 8 // bits)), plgpu.SwizzleTransform(SWIZZLE))
-        return plgpu.SMEM(shape, dt, transforms=transforms)
+    # One int32 array for all metadata: a fresh buffer (the kernel needs 256-byte aligned inputs, and
+    # the engine's metadata are slices of one packed buffer).
+    meta = jnp.concatenate([*items, kv_lens, cu_q_lens, page_indices.reshape(-1)])
+    static = dict(num_items=num_items, num_seqs_max=num_seqs_max, pages_per_seq=pages_per_seq, block_q=block_q,
+                  block_kv=block_kv, num_stages=stages, page_size=page_size, sm_scale=float(sm_scale),
+                  soft_cap=None if soft_cap is None else float(soft_cap),
+                  window=None if sliding_window is None else int(sliding_window))
+    params = plgpu.CompilerParams(approx_math=True)
+    if wgs == 2:
+        # Heads vary fastest and items run last first: the items with the most keys start first.
+        out = plgpu.kernel(
+            functools.partial(_kernel_ws, **static), out_type=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+            grid=(num_kv_heads, num_items), grid_names=("head", "item"), num_threads=3, thread_name="wg",
+            compiler_params=params,
+        )(meta, qg, kv_cache)
+        return out.reshape(num_tokens, num_q_heads, head_dim)
 
     # Q lands untiled (a TMA copy per token of just the group's rows) and goes to registers as the
     # wgmma's A; the result leaves through the same buffer (f32 results through their own).
-    scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype), tiled((stages, block_kv, head_dim), q.dtype),
-               tiled((stages, block_kv, head_dim), q.dtype)]
+    scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype), _tiled((stages, block_kv, head_dim), q.dtype),
+               _tiled((stages, block_kv, head_dim), q.dtype)]
     if splits == 1:
         out_type = jax.ShapeDtypeStruct(qg.shape, q.dtype)
     else:
@@ -251,20 +446,9 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         scratch += [plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
     scratch += [plgpu.Barrier(num_arrivals=block_q),
                 plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
-    # One int32 array for all metadata: a fresh buffer (the kernel needs 256-byte aligned inputs, and
-    # the engine's metadata are slices of one packed buffer).
-    meta = jnp.concatenate([*items, kv_lens, cu_q_lens, page_indices.reshape(-1)])
-    kernel = functools.partial(
-        _kernel, num_items=num_items, num_seqs_max=num_seqs_max, pages_per_seq=pages_per_seq,
-        splits=splits, block_q=block_q, block_kv=block_kv, num_stages=stages, page_size=page_size,
-        sm_scale=float(sm_scale), soft_cap=None if soft_cap is None else float(soft_cap),
-        window=None if sliding_window is None else int(sliding_window))
     res = plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=scratch, grid=(num_items, num_kv_heads, splits),
-        grid_names=("item", "head", "split"), compiler_params=plgpu.CompilerParams(approx_math=True),
+        functools.partial(_kernel, splits=splits, **static), out_type=out_type, scratch_types=scratch,
+        grid=(num_items, num_kv_heads, splits), grid_names=("item", "head", "split"), compiler_params=params,
     )(meta, qg, kv_cache)
-    if splits == 1:
-        out = res
-    else:
-        out = _merge_splits(*res).astype(q.dtype)
+    out = res if splits == 1 else _merge_splits(*res).astype(q.dtype)
     return out.reshape(num_tokens, num_q_heads, head_dim)
