@@ -182,11 +182,12 @@ def test_mosaic_config_warpgroups():
     with pytest.raises(ValueError, match="`config` .* <= 128 with two compute warpgroups"):
         config = gpu_mosaic.MosaicConfig(compute_warpgroups=2)
         rpa.ragged_paged_attention(*args, sm_scale=0.1, impl="gpu", config=config)
-    # The table: decode buckets one warpgroup with one-token blocks; others two compute warpgroups
-    # where head_dim allows.
+    # The table: decode buckets one warpgroup with one-token blocks; prompt-heavy buckets two compute
+    # warpgroups where head_dim allows.
     assert gpu_mosaic.tuned_config(64, 64, 8, 1024).compute_warpgroups == 1
-    assert gpu_mosaic.tuned_config(2048, 256, 8, 1024).compute_warpgroups == 2
-    assert gpu_mosaic.tuned_config(2048, 256, 8, 1024, head_dim=256).compute_warpgroups == 1
+    assert gpu_mosaic.tuned_config(2048, 64, 8, 1024).compute_warpgroups == 2
+    assert gpu_mosaic.tuned_config(2048, 256, 8, 1024).compute_warpgroups == 1  # room for many decode rows
+    assert gpu_mosaic.tuned_config(2048, 64, 8, 1024, head_dim=256).compute_warpgroups == 1
 
 
 def test_mosaic_config_on_unsupported_shapes_names_config():

@@ -41,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .gpu import LOG2E, M_INIT, NUM_SMS, _merge_splits, is_decode_bucket, key_blocks, work_items
 
 ROWS = 64  # wgmma tile height
+PROMPT_TOKENS_PER_SEQ = 32  # buckets with at least this many tokens per sequence slot: two compute warpgroups
 SWIZZLE = 128  # bytes
 
 
@@ -89,9 +90,12 @@ def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_l
     the splits at batch 1-8) made the 8B decode step 0.09-0.10 ms slower on an H200 (RESULTS.md)."""
     block_kv, num_stages = 64, 2
     if not is_decode_bucket(num_tokens, num_seqs_max):
-        # Two compute warpgroups: causal 4k prefill 253.8 µs (542 TFLOP/s) against 453.5 with one
-        # (H200, RESULTS.md session 8); 128-key blocks took 367 µs.
-        return MosaicConfig(block_kv, num_stages, 1, compute_warpgroups=2 if head_dim <= 128 else 1)
+        # Two compute warpgroups where the bucket's rows are mostly prompt tokens (at least
+        # PROMPT_TOKENS_PER_SEQ per sequence slot): causal 4k prefill 295 µs against 434 with one (H200,
+        # RESULTS.md session 8). A decode row's block leaves one of them idle and takes a whole SM, so
+        # buckets with room for many decode rows stay on one warpgroup.
+        two = head_dim <= 128 and num_tokens >= PROMPT_TOKENS_PER_SEQ * num_seqs_max
+        return MosaicConfig(block_kv, num_stages, 1, compute_warpgroups=2 if two else 1)
     # Decode rows are blocks of one token: a taller block would load Q rows that no row stores.
     programs = num_tokens * num_kv_heads
     splits = max(1, min(16, (2 * NUM_SMS) // max(programs, 1), max_kv_len // (4 * block_kv)))
