@@ -125,14 +125,17 @@ class _Item:
         self.blk_b = jnp.clip(jnp.minimum(self.pos + 1, self.kv_hi) // block_kv, self.blk_a, self.blk_hi)
 
 
-def _copy_pages(meta_ref, kv_ref, which, it, h, b, dst, bar, *, pages_at, pages_per_seq, page_size):
-    """Start the bulk copies of key block b's pages of K (which=0) or V (1) into `dst`, each counted
-    on `bar`."""
+def _copy_pages(meta_ref, kv_ref, it, h, b, dsts, *, pages_at, pages_per_seq, page_size):
+    """Start the bulk copies of key block b's pages: for each page, one copy per `(which, dst, bar)`
+    in `dsts` (which: 0 = K, 1 = V), counted on `bar`. Each page's index is read once for all of them
+    (a scalar load from global memory on the issuing thread's path)."""
     num_pages = kv_ref.shape[2]
-    for j in range(dst.shape[0] // page_size):
-        idx = jnp.minimum(b * (dst.shape[0] // page_size) + j, pages_per_seq - 1)
+    block_kv = dsts[0][1].shape[0]
+    for j in range(block_kv // page_size):
+        idx = jnp.minimum(b * (block_kv // page_size) + j, pages_per_seq - 1)
         page = jnp.clip(meta_ref[pages_at + it.seq * pages_per_seq + idx], 0, num_pages - 1)
-        plgpu.copy_gmem_to_smem(kv_ref.at[which, h, page], dst.at[pl.ds(j * page_size, page_size)], bar)
+        for which, dst, bar in dsts:
+            plgpu.copy_gmem_to_smem(kv_ref.at[which, h, page], dst.at[pl.ds(j * page_size, page_size)], bar)
 
 
 def _scores(s, b, it, *, masked, first_pos, group, block_kv, sm_scale, soft_cap, window):
@@ -208,8 +211,7 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
                              pages_per_seq=pages_per_seq, page_size=page_size)
 
     def issue(b, slot):
-        copy(0, b=b, dst=k_smem.at[slot], bar=kv_bars.at[slot])
-        copy(1, b=b, dst=v_smem.at[slot], bar=kv_bars.at[slot])
+        copy(b=b, dsts=((0, k_smem.at[slot], kv_bars.at[slot]), (1, v_smem.at[slot], kv_bars.at[slot])))
 
     @pl.when(it.n_tok > 0)
     def _():
@@ -294,10 +296,10 @@ def _kernel_ws(meta_ref, q_ref, kv_ref, o_ref, *, num_items, num_seqs_max, pages
             def issue(b, slot, wait):
                 if wait:  # until both compute warpgroups are done with the slot's previous block
                     plgpu.barrier_wait(k_free.at[slot])
-                copy(0, b=b, dst=k_smem.at[slot], bar=k_bars.at[slot])
+                copy(b=b, dsts=((0, k_smem.at[slot], k_bars.at[slot]),))
                 if wait:
                     plgpu.barrier_wait(v_free.at[slot])
-                copy(1, b=b, dst=v_smem.at[slot], bar=v_bars.at[slot])
+                copy(b=b, dsts=((1, v_smem.at[slot], v_bars.at[slot]),))
 
             for i in range(num_stages):
                 pl.when(it.blk_lo + i < it.blk_hi)(functools.partial(issue, it.blk_lo + i, i, False))
