@@ -142,6 +142,12 @@ def test_profile_summary_separates_step_boundary_gaps_from_kernel_spacing():
     assert s["largest_gap_ms"] * 2 == pytest.approx(14e-6)  # the 13 ns boundary + the largest other gap
     assert s["median_gap_us"] == pytest.approx(1e-3)
     assert s["categories_ms"]["attention"] * 2 == pytest.approx(10e-6) and len(s["top_kernels"]) == 2
+    # The trace opens with the first step's input copy and a wait while the host launches that step:
+    # neither is idle time between steps.
+    lead = [("MemcpyH2D", -500, 2)]
+    assert summarise(lead + events, steps=2, top_n=2)["idle_ms"] == pytest.approx(s["idle_ms"])
+    widest = summarise(events, steps=2, top_n=0, gaps_n=1)["widest_gaps"]
+    assert widest == [{"us": pytest.approx(0.013), "after": "ragged_paged_attention", "before": "gemm_a"}]
 
 
 def test_tp_check_compares_tensor_parallel_with_one_device():
