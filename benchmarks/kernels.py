@@ -167,6 +167,21 @@ def check(dtype, page_size):
     print(f"check {jnp.dtype(dtype).name} page {page_size}: worst relative error {worst:.2e}", flush=True)
 
 
+def cupti_us(fn, args, calls, rests=None):
+    """Median µs of one call's GPU kernels, summed by CUPTI (JAX's Mosaic GPU profiler): one compiled
+    program run `calls` times, cycling through `rests` like `bench`. No host time and no program fixed
+    cost to subtract, and one lowering per shape (`bench` lowers each of its 3 x calls kernel copies)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    rests = rests or [args[1:]]
+    jitted = jax.jit(fn)
+    jax.block_until_ready(jitted(args[0], *rests[0]))  # compile (and any autotuning) outside the timing
+    timed = profiler.measure(jitted)
+    times = [timed(args[0], *rests[i % len(rests)])[1] for i in range(calls)]
+    times = [ms * 1e3 for ms in times if ms is not None]
+    return statistics.median(times) if times else float("nan")
+
+
 def parse_config(text):
     """'' = the table (on Hopper: the Mosaic kernel); 'triton' = the Triton kernel as its table runs it;
     'm:block_kv,stages,splits[,block_q[,compute_warpgroups]]' = a Mosaic tile (an empty block_q: the
@@ -196,6 +211,9 @@ def main(argv=None):
     p.add_argument("--calls", type=positive_int, default=10,
                    help="kernel calls in the shorter of the two timed programs (100+ for kernels under ~50 us: "
                         "the difference of two programs is noisy below that)")
+    p.add_argument("--timer", choices=("program", "cupti"), default="program",
+                   help="program: the difference of programs of --calls and 2x --calls calls (any backend); "
+                        "cupti: the median over --calls runs of one call's GPU kernel time (GPU only)")
     p.add_argument("--no-bundled", action="store_true", help="skip JAX's bundled decode kernel")
     p.add_argument("--check", action="store_true", help="check against the reference first")
     p.add_argument("--write-kv", action="store_true",
@@ -205,6 +223,9 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="write results to this file")
     a = p.parse_args(argv)
 
+    if a.timer == "cupti" and jax.default_backend() != "gpu":
+        p.error("--timer cupti needs a GPU (CUPTI counts CUDA kernels)")
+    timed = bench if a.timer == "program" else cupti_us
     print(f"devices: {jax.devices()}", flush=True)
     if a.check:
         for dt in (jnp.bfloat16, jnp.float32):
@@ -227,14 +248,14 @@ def main(argv=None):
                 if mode == "decode" and not a.no_bundled:  # the same rotated caches, K/V split per copy
                     fn, bargs = bundled_decode(args[0], args[1], args[2], args[3], a.page_size)
                     brests = [bundled_decode(args[0], r[0], args[2], args[3], a.page_size)[1][1:] for r in rests]
-                    bundled_us = bench(fn, bargs, a.calls, rests=brests)
+                    bundled_us = timed(fn, bargs, a.calls, rests=brests)
                 for cfg in configs:
                     if cfg == "triton":  # the Triton kernel as its own table runs it (off Hopper)
                         fn = functools.partial(gpu_kernel.ragged_paged_attention_gpu, sm_scale=D**-0.5)
                     else:
                         fn = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, impl=a.impl, config=cfg)
                     try:
-                        us = bench(fn, args, a.calls, rests=rests)
+                        us = timed(fn, args, a.calls, rests=rests)
                     except Exception as e:  # a config that does not compile is reported, not fatal
                         print(f"{mode:8}{b:>5}{ctx:>7}  {str(cfg):24} failed: {type(e).__name__}: {e}"[:300])
                         continue

@@ -171,6 +171,9 @@ def test_kernels_bench_times_net_of_program_cost(tmp_path):
                   "--no-bundled", "--json", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["mode"], row["batch"], row["ctx"]) == ("decode", 8, 2048) and row["us"] > 0
+    if kernels.jax.default_backend() != "gpu":  # CUPTI counts CUDA kernels: refused up front elsewhere
+        with pytest.raises(SystemExit):
+            kernels.main(["--impl", "reference", "--mode", "decode", "--batch", "8", "--ctx", "64", "--timer", "cupti"])
 
 
 def test_serving_fails_loudly_when_no_request_succeeds(tmp_path):
