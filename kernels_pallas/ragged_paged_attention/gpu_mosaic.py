@@ -92,8 +92,9 @@ def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_l
     if not is_decode_bucket(num_tokens, num_seqs_max):
         # Two compute warpgroups where the bucket's rows are mostly prompt tokens (at least
         # PROMPT_TOKENS_PER_SEQ per sequence slot): causal 4k prefill 295 µs against 434 with one (H200,
-        # RESULTS.md session 8). A decode row's block leaves one of them idle and takes a whole SM, so
-        # buckets with room for many decode rows stay on one warpgroup.
+        # RESULTS.md session 8). A decode row's block leaves one of them idle and takes a whole SM (a
+        # step with 128 decode rows: 1.2 ms slower), so buckets with room for many decode rows stay on
+        # one warpgroup. (With the engine's default 256 sequences no bucket qualifies: S >= T / 8.)
         two = head_dim <= 128 and num_tokens >= PROMPT_TOKENS_PER_SEQ * num_seqs_max
         return MosaicConfig(block_kv, num_stages, 1, compute_warpgroups=2 if two else 1)
     # Decode rows are blocks of one token: a taller block would load Q rows that no row stores.
