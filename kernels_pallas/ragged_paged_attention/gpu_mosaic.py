@@ -7,18 +7,19 @@ one token (its other rows are never stored); a prompt chunk is cut into blocks, 
 causal limit.
 
 Two program layouts (`MosaicConfig.compute_warpgroups`):
-- 1 (decode buckets): one program (CTA, one warpgroup) per (query block, kv head, key split). It
-  issues one bulk copy per page for K and for V (`block_kv / page_size` of each, counted on the
-  block's barrier) into a ring of `num_stages` shared-memory slots, computes S = Q K^T on the tensor
-  cores, an online softmax in f32 registers, then acc += P V with P from registers, and refills a slot
-  once its block's second wgmma has completed. Key splits (small batches) write f32 partial results
-  and base-2 log-sum-exps that `gpu._merge_splits` combines, like the Triton kernel's.
-- 2 (prefill and mixed buckets): one program per (two query blocks, kv head) with three warpgroups:
-  a copier that fills the slots (K and V on their own barriers) and refills one when both compute
-  warpgroups have released it, and two compute warpgroups, one query block each, that take turns on
-  the tensor cores: a shared barrier keeps them half a step apart, so one's softmax runs while the
-  other's matmuls do. Each K/V block read from L2 feeds twice the rows. A warpgroup without tokens (a
-  decode row's block) only keeps the barriers' counts.
+- 1 (decode buckets, and buckets with room for many decode rows): one program (CTA, one warpgroup)
+  per (query block, kv head, key split). It issues one bulk copy per page for K and for V
+  (`block_kv / page_size` of each, counted on the block's barrier) into a ring of `num_stages`
+  shared-memory slots, computes S = Q K^T on the tensor cores, an online softmax in f32 registers,
+  then acc += P V with P from registers, and refills a slot once its block's second wgmma has
+  completed. Key splits (small batches) write f32 partial results and base-2 log-sum-exps that
+  `gpu._merge_splits` combines, like the Triton kernel's.
+- 2 (buckets of mostly prompt tokens, see `tuned_config`): one program per (two query blocks, kv
+  head) with three warpgroups: a copier that fills the slots (K and V on their own barriers) and
+  refills one when both compute warpgroups have released it, and two compute warpgroups, one query
+  block each, that take turns on the tensor cores: a shared barrier keeps them half a step apart, so
+  one's softmax runs while the other's matmuls do. Each K/V block read from L2 feeds twice the rows.
+  A warpgroup without tokens (a decode row's block) only keeps the barriers' counts.
 
 Keys no row of the block may see (past the last token's causal limit, before a sliding window's start
 for the first token) get their V rows zeroed in shared memory, since slots past a sequence's length
