@@ -120,8 +120,9 @@ def bench_write_kv(cache, num_tokens, calls, reps=5, impl=None):
     return us, state["cache"]
 
 
-def dense_anchors(ctx, calls):
-    """JAX's bundled dense causal attention kernels on one sequence of `ctx` tokens: µs by name."""
+def dense_anchors(ctx, calls, timed=bench):
+    """JAX's bundled dense causal attention kernels on one sequence of `ctx` tokens: µs by name, timed
+    like the kernels (`bench` or `cupti_us`)."""
     from jax.experimental.pallas.ops.gpu import attention, attention_mgpu
 
     k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
@@ -133,14 +134,16 @@ def dense_anchors(ctx, calls):
     fns = {
         "bundled triton mha (dense)": (lambda q, k, v: attention.mha(
             q, k, v, None, sm_scale=D**-0.5, causal=True), (q, jnp.repeat(k, rep, 2), jnp.repeat(v, rep, 2))),
-        # the Mosaic GPU kernel takes float16 only: same FLOPs, same bytes
+        # the Mosaic GPU kernel (FlashAttention-3's design) takes float16 only: same FLOPs, same bytes. 64
+        # rows per compute warpgroup and 128-key blocks: 505-512 TFLOP/s at 4k on an H200 (RESULTS.md,
+        # session 8); 128 rows ran at 139.
         "bundled mosaic-gpu attention (dense, f16)": (lambda q, k, v: attention_mgpu.attention(
-            q, k, v, attention_mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2, causal=True)),
+            q, k, v, attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)),
             tuple(x.astype(jnp.float16) for x in (q, k, v))),
     }
     for name, (fn, args) in fns.items():  # K/V heads repeated / cast once, outside the timed program
         try:
-            out[name] = bench(fn, args, calls)
+            out[name] = timed(fn, args, calls)
         except Exception as e:  # an anchor that does not run here is reported, not fatal
             print(f"{name}: failed: {type(e).__name__}: {e}"[:300], flush=True)
     return out
@@ -210,7 +213,7 @@ def main(argv=None):
     p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")
     p.add_argument("--calls", type=positive_int, default=10,
                    help="kernel calls in the shorter of the two timed programs (100+ for kernels under ~50 us: "
-                        "the difference of two programs is noisy below that)")
+                        "the difference of two programs is noisy below that); with --timer cupti, the runs")
     p.add_argument("--timer", choices=("program", "cupti"), default="program",
                    help="program: the difference of programs of --calls and 2x --calls calls (any backend); "
                         "cupti: the median over --calls runs of one call's GPU kernel time (GPU only)")
@@ -286,7 +289,7 @@ def main(argv=None):
                         print(f"{'':8}{'':>5}{'':>7}  {label + ' (' + str(n_new) + ' tokens)':36}{us:10.1f}"
                               f"  {written / us / 1e3:.1f} GB/s written", flush=True)
                 if mode == "prefill" and b == 1 and a.anchors:
-                    for name, us in dense_anchors(ctx, a.calls).items():
+                    for name, us in dense_anchors(ctx, a.calls, timed).items():
                         rows.append(dict(mode=mode, batch=b, ctx=ctx, config=name, us=us, tflop_s=flops / us / 1e6))
                         print(f"{'':8}{'':>5}{'':>7}  {name[:36]:36}{us:10.1f}{'':9}{flops / us / 1e6:9.1f}",
                               flush=True)

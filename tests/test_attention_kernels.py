@@ -178,6 +178,8 @@ def test_mosaic_config_warpgroups():
         gpu_mosaic.MosaicConfig(compute_warpgroups=3)
     with pytest.raises(ValueError, match="`num_kv_splits` must be 1 with two compute warpgroups"):
         gpu_mosaic.MosaicConfig(num_kv_splits=2, compute_warpgroups=2)
+    with pytest.raises(ValueError, match="`num_stages` must be at least 2 with two compute warpgroups"):
+        gpu_mosaic.MosaicConfig(num_stages=1, compute_warpgroups=2)
     args = make_case(1, [1, 5], [20, 5], group=4, head_dim=256, page_size=16, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="`config` .* <= 128 with two compute warpgroups"):
         config = gpu_mosaic.MosaicConfig(compute_warpgroups=2)

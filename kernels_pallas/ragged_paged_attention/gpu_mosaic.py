@@ -67,6 +67,11 @@ class MosaicConfig:
         if self.compute_warpgroups == 2 and self.num_kv_splits != 1:
             raise ValueError("MosaicConfig: `num_kv_splits` must be 1 with two compute warpgroups, got "
                              f"{self.num_kv_splits!r}")
+        if self.compute_warpgroups == 2 and self.num_stages < 2:
+            # (Only 2-3 slots were tested on a GPU; with one, K of the next block and V of this one share a
+            # slot's turn and an idle warpgroup's early releases are unchecked.)
+            raise ValueError("MosaicConfig: `num_stages` must be at least 2 with two compute warpgroups, got "
+                             f"{self.num_stages!r}")
 
 
 def on_hopper() -> bool:
