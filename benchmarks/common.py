@@ -19,6 +19,7 @@ H200_COPY_BW = 4.3e12  # bytes/s, measured device copy ceiling (shared/BENCHMARK
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="jengine/llama-3.1-8b", help="model dir or preset (dummy weights)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (= fp8_e4m3) | fp8_e5m2")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -148,7 +149,8 @@ CHAT_MIN_LEN, CHAT_MAX_OUTPUT = 4, 1024
 
 def engine_args(args, **overrides) -> dict:
     """LLM keyword arguments from the common flags, `overrides` winning (None values dropped)."""
-    kw = dict(dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
+    kw = dict(dtype=args.dtype, kv_cache_dtype=getattr(args, "kv_cache_dtype", None), load_format=args.load_format,
+              max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
               seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None,
@@ -227,16 +229,17 @@ def model_shape(model: str) -> dict:
 
 
 def roofline(model: str, lengths: list[tuple[int, int]], max_num_seqs: int, dtype_bytes: int = 2,
-             flops: float = H200_BF16_FLOPS, bandwidth: float = H200_COPY_BW) -> dict:
+             flops: float = H200_BF16_FLOPS, bandwidth: float = H200_COPY_BW,
+             kv_dtype_bytes: int | None = None) -> dict:
     """Lower bound on a workload's time: prefill at `flops`, decode streaming weights + KV at `bandwidth`.
 
     Prefill: 2 FLOPs per weight per prompt token (lm head once per request) + causal attention (QK and PV).
     Decode: each step streams all non-embedding weights once; steps >= output tokens / max_num_seqs; each
-    decode token reads its whole context's K and V.
+    decode token reads its whole context's K and V (`kv_dtype_bytes` per value; default dtype_bytes).
     """
     s = model_shape(model)
     attn = 4 * s["layers"] * s["hq"] * s["head_dim"]  # FLOPs per visible query-key pair
-    kv_per_token = 2 * s["layers"] * s["hkv"] * s["head_dim"] * dtype_bytes
+    kv_per_token = 2 * s["layers"] * s["hkv"] * s["head_dim"] * (kv_dtype_bytes or dtype_bytes)
     prompt = sum(i for i, _ in lengths)
     out = sum(o for _, o in lengths)
     prefill_flops = (2 * s["layer_params"] * prompt + 2 * s["head_params"] * len(lengths)

@@ -22,14 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 from common import bench, net_us_per_call, positive_int
 
+from jengine.engine_config import KV_CACHE_DTYPES
 from jengine.kernels_pallas.ragged_paged_attention import gpu as gpu_kernel
 from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic, ragged_paged_attention, reference, write_kv
 
 HQ, HKV, D = 32, 8, 128
 
 
-def make_batch(key, q_lens, kv_lens, *, page_size, dtype, hq=HQ, hkv=HKV, d=D):
-    """Random q, a cache holding exactly the sequences' pages (randomly permuted), and the metadata."""
+def make_batch(key, q_lens, kv_lens, *, page_size, dtype, hq=HQ, hkv=HKV, d=D, kv_dtype=None):
+    """Random q, a cache holding exactly the sequences' pages (randomly permuted, in `kv_dtype`, default
+    q's), and the metadata."""
     s = len(q_lens)
     need = [-(-k // page_size) for k in kv_lens]
     pages_per_seq = max(need)
@@ -42,6 +44,7 @@ def make_batch(key, q_lens, kv_lens, *, page_size, dtype, hq=HQ, hkv=HKV, d=D):
         start += n
     k1, k2 = jax.random.split(key)
     cache = jax.random.normal(k1, reference.kv_cache_shape(num_pages, page_size, hkv, d), dtype)
+    cache = cache.astype(kv_dtype or dtype)
     q = jax.random.normal(k2, (sum(q_lens), hq, d), dtype)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     return (q, cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(table), jnp.asarray(cu),
@@ -95,8 +98,8 @@ def bench_write_kv(cache, num_tokens, calls, reps=5, impl=None):
     step: programs of `calls` and `2 * calls` chained writes, the difference per extra write."""
     hkv, num_pages, page_size, d = cache.shape[1:]
     k1, k2 = jax.random.split(jax.random.key(9))
-    ks = jax.random.normal(k1, (2 * calls, num_tokens, hkv, d), cache.dtype)
-    vs = jax.random.normal(k2, (2 * calls, num_tokens, hkv, d), cache.dtype)
+    ks = jax.random.normal(k1, (2 * calls, num_tokens, hkv, d), jnp.bfloat16)  # the model's K/V
+    vs = jax.random.normal(k2, (2 * calls, num_tokens, hkv, d), jnp.bfloat16)
     slots = jnp.asarray(np.random.default_rng(0).permutation(num_pages * page_size)[:num_tokens], jnp.int32)
 
     state = {"cache": cache}
@@ -204,6 +207,8 @@ def main(argv=None):
     p.add_argument("--batch", default="1,8,64,256")
     p.add_argument("--ctx", default="128,2048,8192,32768")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
+                   help="the cache's dtype (auto: bf16 like q); the bundled kernel runs with bf16 only")
     p.add_argument("--impl", default=None, help="gpu / tpu / reference (default: by backend)")
     p.add_argument("--configs", default="", help="';'-separated configs to time side by side (default: the "
                    "table): '' (the table), 'triton' (the Triton table tile), "
@@ -233,6 +238,7 @@ def main(argv=None):
     if a.check:
         for dt in (jnp.bfloat16, jnp.float32):
             check(dt, a.page_size)
+    kv_dtype = jnp.dtype(KV_CACHE_DTYPES[a.kv_cache_dtype] or jnp.bfloat16)
     configs = [parse_config(c) for c in a.configs.split(";")] if a.configs else [None]
     rows = []
     hdr = f"{'mode':8}{'B':>5}{'ctx':>7}  {'config':24}{'µs':>10}{'KV TB/s':>9}{'TFLOP/s':>9}{'bundled':>10}"
@@ -241,14 +247,15 @@ def main(argv=None):
         for b in (int(x) for x in a.batch.split(",")):
             for ctx in (int(x) for x in a.ctx.split(",")):
                 q_lens, kv_lens = workload(mode, b, ctx)
-                kv_bytes, flops = counts(q_lens, kv_lens)
+                kv_bytes, flops = counts(q_lens, kv_lens, itemsize=jnp.dtype(kv_dtype).itemsize)
                 if sum(q_lens) > a.max_tokens or kv_bytes / 1e9 > a.max_kv_gb:
                     continue
                 args = make_batch(jax.random.key(b * 7 + ctx), q_lens, kv_lens, page_size=a.page_size,
-                                  dtype=jnp.bfloat16)
+                                  dtype=jnp.bfloat16, kv_dtype=kv_dtype)
                 rests = rotated(args, kv_bytes)
                 bundled_us = None
-                if mode == "decode" and not a.no_bundled:  # the same rotated caches, K/V split per copy
+                # the bundled kernel on the same rotated caches, K/V split per copy (bf16 only)
+                if mode == "decode" and not a.no_bundled and kv_dtype == jnp.bfloat16:
                     fn, bargs = bundled_decode(args[0], args[1], args[2], args[3], a.page_size)
                     brests = [bundled_decode(args[0], r[0], args[2], args[3], a.page_size)[1][1:] for r in rests]
                     bundled_us = timed(fn, bargs, a.calls, rests=brests)
@@ -277,7 +284,7 @@ def main(argv=None):
                 if a.write_kv:
                     n_new = sum(q_lens)
                     rests = None  # the copies' memory goes back before the cache is written
-                    written = n_new * HKV * D * 2 * 2
+                    written = n_new * HKV * D * 2 * kv_dtype.itemsize
                     impls = [("reference", "write_kv XLA scatter")]
                     if jax.default_backend() == "gpu":
                         impls.insert(0, ("gpu", "write_kv Pallas"))

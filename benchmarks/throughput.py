@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"workload: {args.dataset}, {len(requests)} requests, {prompt_tokens} prompt tokens "
           f"(mean {prompt_tokens / len(requests):.0f}), {sum(o for _, o in lengths)} output tokens")
     bound = roofline(args.model, lengths, args.max_num_seqs, dtype_bytes=4 if "32" in args.dtype else 2,
+                     kv_dtype_bytes=1 if args.kv_cache_dtype.startswith("fp8") else None,
                      flops=args.peak_tflops * 1e12 * args.tensor_parallel_size,  # aggregate over the TP group
                      bandwidth=args.peak_tb_s * 1e12 * args.tensor_parallel_size)
     rows = hf_in_child(__file__, argv) if args.backend == "both" else []  # first: before JAX takes the device

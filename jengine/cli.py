@@ -13,6 +13,7 @@ from jengine.presets import DEFAULT_MODEL
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM's."""
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (= fp8_e4m3) | fp8_e5m2")
     parser.add_argument("--load-format", default="auto", help="auto | safetensors | orbax | dummy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -56,7 +57,8 @@ def multihost_settings(args: argparse.Namespace) -> tuple[str | None, int | None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=None if args.dtype == "auto" else args.dtype, load_format=args.load_format, seed=args.seed,
+    return dict(dtype=None if args.dtype == "auto" else args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                load_format=args.load_format, seed=args.seed,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,

@@ -108,8 +108,9 @@ class LLMEngine:
         device = None if mesh is None else next(
             (d for d in mesh.devices.flat if d.process_index == jax.process_index()), None)
         mem = device_memory(device)
-        num_pages = num_device_pages(device_cfg, ecfg, cfg.dtype, device=device, tp=tp)
-        num_cpu_pages = num_host_pages(device_cfg, ecfg, cfg.dtype)
+        kv_dtype = ecfg.cache_dtype(cfg.dtype)
+        num_pages = num_device_pages(device_cfg, ecfg, kv_dtype, device=device, tp=tp)
+        num_cpu_pages = num_host_pages(device_cfg, ecfg, kv_dtype)
         executables = None if not config.compilation_cache_dir else ExecutableCache(
             os.path.join(config.compilation_cache_dir, "jengine-executables"))
         self.runner = ModelRunner(device_cfg, ecfg, params, num_pages, num_cpu_pages, mesh=mesh,

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from jengine.buckets import default_seq_buckets, default_token_buckets
 from jengine.config import ModelConfig, normalize_dtype
 
 PREEMPTION_MODES = ("recompute", "swap")
+# vLLM's names: "auto" keeps the model's dtype; "fp8" is e4m3 (8-bit K/V, saturated, no scale)
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -17,6 +21,7 @@ class EngineConfig:
 
     model: str
     dtype: str | None = None  # None / "auto": the checkpoint's dtype
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" / "fp8_e4m3" | "fp8_e5m2"
     load_format: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -66,6 +71,8 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.dtype not in (None, "auto"):
@@ -122,6 +129,10 @@ class EngineConfig:
         if model_cfg is not None and model_cfg.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the number of query heads "
                              f"({model_cfg.num_attention_heads})")
+
+    def cache_dtype(self, model_dtype) -> jnp.dtype:
+        """The KV cache's dtype for a model computing in `model_dtype`."""
+        return jnp.dtype(KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype)
 
     @property
     def pages_per_seq(self) -> int:

@@ -21,8 +21,8 @@ from jengine.sharding import kv_cache_sharding, replicated
 PAGE_SIZE = 16
 
 
-def _caches(cfg: ModelConfig, num_pages: int, mesh=None) -> list:
-    return allocate(cfg, num_pages, PAGE_SIZE, cfg.dtype, None if mesh is None else kv_cache_sharding(mesh))
+def _caches(cfg: ModelConfig, num_pages: int, mesh=None, kv_dtype=None) -> list:
+    return allocate(cfg, num_pages, PAGE_SIZE, kv_dtype or cfg.dtype, None if mesh is None else kv_cache_sharding(mesh))
 
 
 def _bucket(n: int) -> int:
@@ -79,23 +79,24 @@ def _check_ids(cfg: ModelConfig, token_ids) -> list[int]:
     return ids
 
 
-def prompt_logits(cfg: ModelConfig, params: dict, token_ids) -> np.ndarray:
-    """f32 logits `[len, V]` of every position of one prompt."""
+def prompt_logits(cfg: ModelConfig, params: dict, token_ids, kv_dtype=None) -> np.ndarray:
+    """f32 logits `[len, V]` of every position of one prompt (`kv_dtype`: the cache's, default the model's)."""
     ids = _check_ids(cfg, token_ids)
     num_pages = _bucket(len(ids)) // PAGE_SIZE
-    _, logits = _step(params, _caches(cfg, num_pages), _sequence_input(ids, 0, num_pages),
+    _, logits = _step(params, _caches(cfg, num_pages, kv_dtype=kv_dtype), _sequence_input(ids, 0, num_pages),
                       cfg=cfg, all_logits=True)
     return np.asarray(logits)[: len(ids)]
 
 
 def greedy_generate(cfg: ModelConfig, params: dict, token_ids, max_new_tokens: int,
-                    stop_at_eos: bool = True) -> list[int]:
-    """Greedy continuation of one prompt: the new token ids (ending at an EOS id when it comes)."""
+                    stop_at_eos: bool = True, kv_dtype=None) -> list[int]:
+    """Greedy continuation of one prompt: the new token ids (ending at an EOS id when it comes).
+    `kv_dtype`: the cache's dtype (default the model's; an 8-bit float as `kv_cache_dtype="fp8"`)."""
     ids = _check_ids(cfg, token_ids)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     num_pages = _bucket(len(ids) + max_new_tokens) // PAGE_SIZE
-    caches = _caches(cfg, num_pages)
+    caches = _caches(cfg, num_pages, kv_dtype=kv_dtype)
     caches, logits = _step(params, caches, _sequence_input(ids, 0, num_pages), cfg=cfg, all_logits=False)
     out = []
     while True:

@@ -219,7 +219,8 @@ class ModelRunner:
         # Allocated after warm-up's compilations (`allocate_kv_cache`): XLA's GEMM autotuning borrows
         # device memory while compiling, which a cache sized to most of the free memory would not leave.
         self.kv_caches: list[jax.Array] | None = None
-        self.host_pool = kv_cache.HostPagePool(cfg, num_host_pages, ecfg.block_size, cfg.dtype)
+        self.kv_dtype = ecfg.cache_dtype(cfg.dtype)
+        self.host_pool = kv_cache.HostPagePool(cfg, num_host_pages, ecfg.block_size, self.kv_dtype)
         self.max_seqs = max(ecfg.seq_buckets)
         self.no_prev_ids = jnp.zeros((self.max_seqs,), jnp.int32)
         fwd, smp, plp = {}, {}, {}
@@ -238,13 +239,13 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> None:
         if self.kv_caches is None:
-            self.kv_caches = kv_cache.allocate(self.cfg, self.num_pages, self.ecfg.block_size, self.cfg.dtype,
+            self.kv_caches = kv_cache.allocate(self.cfg, self.num_pages, self.ecfg.block_size, self.kv_dtype,
                                                self._cache_sharding)
 
     def _kv_cache_specs(self) -> list[jax.ShapeDtypeStruct]:
         shape = kv_cache.kv_cache_shape(self.num_pages, self.ecfg.block_size, self.cfg.num_key_value_heads,
                                         self.cfg.head_dim)
-        spec = jax.ShapeDtypeStruct(shape, self.cfg.dtype, sharding=self._cache_sharding)
+        spec = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self._cache_sharding)
         return [spec] * self.cfg.num_hidden_layers
 
     def buckets(self) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ from jengine.kernels_pallas.ragged_paged_attention import gpu, gpu_mosaic, refer
 
 
 def make_case(seed, q_lens, kv_lens, *, group, head_dim, page_size, dtype, num_kv_heads=2, pad_tokens=3,
-              pad_seqs=2):
+              pad_seqs=2, kv_dtype=None):
     rng = np.random.default_rng(seed)
     s = len(q_lens)
     need = [-(-k // page_size) for k in kv_lens]
@@ -41,7 +41,7 @@ def make_case(seed, q_lens, kv_lens, *, group, head_dim, page_size, dtype, num_k
     cu[: s + 1] = np.concatenate([[0], np.cumsum(q_lens)])
     lens = np.zeros(s + pad_seqs, np.int32)
     lens[:s] = kv_lens
-    return (jnp.asarray(q, dtype), jnp.asarray(cache, dtype), jnp.asarray(lens), jnp.asarray(table),
+    return (jnp.asarray(q, dtype), jnp.asarray(cache, kv_dtype or dtype), jnp.asarray(lens), jnp.asarray(table),
             jnp.asarray(cu), jnp.asarray([s], jnp.int32))
 
 
@@ -138,6 +138,62 @@ def test_mosaic_kernel(name, q_lens, kv_lens, options, config):
     if config is None:  # what the table picks
         assert "mosaic_gpu" in fn.trace(*args).lower().as_text()
     assert_matches_reference(fn(*args), args, sum(q_lens), **kw)
+
+
+FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("impl", ["gpu", "tpu"])
+@pytest.mark.parametrize("name", ["mixed_window_softcap", "long_decode_and_chunk", "decode_gqa4"])
+def test_kernels_read_8bit_caches(name, impl, kv_dtype, clean_tpu_interpreter):
+    """An 8-bit cache (NaN-poisoned like the others) read by each kernel: the same result as the
+    reference reading the same cache."""
+    case = next(c for c in CASES if c[0] == name)
+    _, q_lens, kv_lens, group, head_dim, page_size, dtype, options = case
+    args = make_case(zlib.crc32(name.encode()), q_lens, kv_lens, group=group, head_dim=head_dim,
+                     page_size=page_size, dtype=dtype, kv_dtype=kv_dtype)
+    assert args[1].dtype == kv_dtype
+    config = CONFIGS[impl] if name == "long_decode_and_chunk" else None
+    out = rpa.ragged_paged_attention(*args, sm_scale=head_dim**-0.5, impl=impl, interpret=True, config=config,
+                                     **options)
+    assert_matches_reference(out, args, sum(q_lens), sm_scale=head_dim**-0.5, **options)
+
+
+@pytest.mark.parametrize("config", [None, gpu_mosaic.MosaicConfig(64, 2, 3), gpu_mosaic.MosaicConfig(128, 3, 1),
+                                    gpu_mosaic.MosaicConfig(64, 2, 1)], ids=["table", "64x2_split3", "128x3",
+                                                                            "prefill_tile"])
+@pytest.mark.parametrize("name,q_lens,kv_lens,options", MOSAIC_CASES, ids=[c[0] for c in MOSAIC_CASES])
+def test_mosaic_kernel_with_an_8bit_cache(name, q_lens, kv_lens, options, config):
+    import jax
+
+    args = make_case(zlib.crc32(name.encode()), q_lens, kv_lens, group=4, head_dim=128, page_size=16,
+                     dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn)
+    kw = dict(sm_scale=128**-0.5, **options)
+    if not _on_hopper():
+        if not name.startswith("decode"):
+            return  # lowering each config on the decode cases is enough on CPU
+        kernel = jax.jit(lambda *a: gpu_mosaic.ragged_attention_mosaic(*a, config=config, **kw))
+        assert "mosaic_gpu" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return
+    fn = jax.jit(lambda *a: rpa.ragged_paged_attention(*a, impl="gpu", config=config, **kw))
+    if config is None:
+        assert "mosaic_gpu" in fn.trace(*args).lower().as_text()
+    assert_matches_reference(fn(*args), args, sum(q_lens), **kw)
+
+
+def test_mosaic_kernel_with_an_8bit_cache_keeps_one_compute_warpgroup():
+    assert gpu_mosaic.tuned_config(2048, 16, 8, 4096).compute_warpgroups == 2
+    assert gpu_mosaic.tuned_config(2048, 16, 8, 4096, fp8_cache=True).compute_warpgroups == 1
+    args = make_case(5, [40], [40], group=4, head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                     kv_dtype=jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="`config`"):
+        gpu_mosaic.ragged_attention_mosaic(*args, sm_scale=0.1, config=gpu_mosaic.MosaicConfig(
+            64, 2, 1, compute_warpgroups=2))
+    # head_dim 64: 64-byte rows of an 8-bit tile; the Triton kernel takes those
+    assert not gpu_mosaic.supports(jnp.bfloat16, 64, 4, 16, kv_dtype=jnp.float8_e4m3fn)
+    assert gpu_mosaic.supports(jnp.bfloat16, 128, 4, 16, kv_dtype=jnp.float8_e4m3fn)
+    assert not gpu_mosaic.supports(jnp.bfloat16, 128, 4, 16, kv_dtype=jnp.float16)
 
 
 def test_mosaic_kernel_lowers_for_groups_of_eight():
@@ -267,6 +323,7 @@ def test_numpy_scalars_are_accepted_as_static_options():
     ("q", dict(q=lambda q: q.astype(jnp.int32))),
     ("q", dict(q=lambda q: q[:, :3])),
     ("kv_cache", dict(kv_cache=lambda c: c.astype(jnp.bfloat16))),
+    ("kv_cache", dict(kv_cache=lambda c: c.astype(jnp.int8))),
     ("kv_cache", dict(kv_cache=lambda c: c[..., :32])),
     ("kv_cache", dict(kv_cache=lambda c: c[0])),
     ("kv_lens", dict(kv_lens=lambda x: x[:1])),
@@ -308,6 +365,35 @@ def test_write_kv_writes_every_real_slot_and_nothing_else(impl, dtype):
     assert got.dtype == dtype
     want = jnp.asarray(want, dtype).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want))
+
+
+@pytest.mark.parametrize("impl", ["gpu", "reference"])
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_write_kv_into_an_8bit_cache_rounds_and_saturates(impl, kv_dtype):
+    import jax
+
+    rng = np.random.default_rng(8)
+    num_pages, page_size, hkv, d, t = 5, 8, 2, 32, 9
+    top = float(jnp.finfo(kv_dtype).max)
+    cache = jnp.asarray(rng.standard_normal(reference.kv_cache_shape(num_pages, page_size, hkv, d)), kv_dtype)
+    k, v = (rng.standard_normal((t, hkv, d)).astype(np.float32) * 3 for _ in range(2))
+    k[0, 0, :4] = [1e6, -1e6, top * 1.01, np.float32(0.1)]  # past the finite range: saturated, not NaN
+    slots = rng.permutation(num_pages * page_size)[:t].astype(np.int32)
+    slots[4] = -1
+    want = np.array(cache.astype(jnp.float32))
+    for i, s in enumerate(slots):
+        if s >= 0:
+            want[0, :, s // page_size, s % page_size] = np.asarray(jnp.asarray(np.clip(k[i], -top, top), kv_dtype),
+                                                                   np.float32)
+            want[1, :, s // page_size, s % page_size] = np.asarray(jnp.asarray(v[i], kv_dtype), np.float32)
+    interpret = impl == "gpu" and jax.default_backend() != "gpu"
+    fn = jax.jit(lambda c, k, v, s: rpa.write_kv(c, k, v, s, impl=impl, interpret=interpret), donate_argnums=0)
+    got = fn(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+    assert got.dtype == kv_dtype
+    got = np.asarray(got.astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    s0 = slots[0]
+    assert list(got[0, 0, s0 // page_size, s0 % page_size, :3]) == [top, -top, top]
 
 
 def test_write_kv_names_bad_arguments():

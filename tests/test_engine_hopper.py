@@ -89,3 +89,21 @@ def test_greedy_tokens_match_an_f32_forward_pass(model_dir, reference, mode):
     _assert_greedy_within_noise(llm, reference, prompts)
     if mode == "preemption":
         assert llm.engine.stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("mode", ["batched", "chunked_prefill"])
+def test_8bit_cache_greedy_tokens_match_the_single_sequence_path(model_dir, mode):
+    """kv_cache_dtype="fp8": the Mosaic kernel reads e4m3 pages. The reference is the single-sequence
+    path of the same bf16 weights with an e4m3 cache (the same K/V rounding), so only the kernels'
+    summation order and bucket shapes differ."""
+    cfg, params = load_model(model_dir, load_format="dummy")
+    kw = dict(dtype="bfloat16", load_format="dummy", max_model_len=512, max_num_seqs=8, kv_cache_dtype="fp8",
+              max_num_batched_tokens=256, token_buckets=(16, 256), seq_buckets=(8,), use_tqdm_on_load=False)
+    prompts = _prompts(6, 40, seed=6)
+    if mode == "chunked_prefill":
+        kw.update(max_num_batched_tokens=32, token_buckets=(16, 32))
+        prompts = _prompts(4, 90, seed=7)
+    llm = LLM(model_dir, **kw)
+    assert llm.engine.runner.kv_caches[0].dtype == jnp.float8_e4m3fn
+    _assert_greedy_within_noise(llm, lambda ids: prompt_logits(cfg, params, ids, kv_dtype=jnp.float8_e4m3fn),
+                                prompts)

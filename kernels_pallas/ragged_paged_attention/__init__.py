@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from . import reference
-from .reference import kv_cache_shape
+from .reference import FP8_DTYPES, is_fp8, kv_cache_shape
 
-__all__ = ["kv_cache_shape", "ragged_paged_attention", "write_kv", "IMPLS"]
+__all__ = ["FP8_DTYPES", "is_fp8", "kv_cache_shape", "ragged_paged_attention", "write_kv", "IMPLS"]
 
 IMPLS = ("gpu", "tpu", "reference")
 # GPU steps of at least this many tokens write their K/V with the Pallas kernel; smaller ones keep XLA's
@@ -47,7 +47,8 @@ def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, kv_dim = kv_cache.shape
     _check(any(q.dtype == d for d in _FLOAT_DTYPES), "q", f"must be float32/bfloat16/float16, got {q.dtype}")
-    _check(kv_cache.dtype == q.dtype, "kv_cache", f"dtype {kv_cache.dtype} must match q's {q.dtype}")
+    _check(kv_cache.dtype == q.dtype or is_fp8(kv_cache.dtype), "kv_cache",
+           f"dtype {kv_cache.dtype} must match q's {q.dtype} or be an 8-bit float (float8_e4m3fn, float8_e5m2)")
     _check(kv_dim == head_dim, "kv_cache", f"head_dim {kv_dim} must match q's head_dim {head_dim}")
     _check(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0, "q",
            f"has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} kv heads")
@@ -84,7 +85,8 @@ def _mosaic(q, kv_cache, config, interpret) -> bool:
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = kv_cache.shape
     return (config is None and not interpret and gpu_mosaic.on_hopper()
-            and gpu_mosaic.supports(q.dtype, head_dim, num_q_heads // num_kv_heads, page_size))
+            and gpu_mosaic.supports(q.dtype, head_dim, num_q_heads // num_kv_heads, page_size,
+                                    kv_dtype=kv_cache.dtype))
 
 
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,

@@ -160,8 +160,8 @@ def _kernel(seq_ref, qs_ref, qe_ref, kv_lens_ref, cu_ref, pages_ref,  # metadata
         pg_ok = b * pages_per_blk + jnp.arange(pages_per_blk) < pages_per_seq
         pg = plgpu.load(pages_ref.at[seq, pl.ds(b * pages_per_blk, pages_per_blk)], mask=pg_ok, other=0)
         pg = jnp.clip(pg, 0, num_pages - 1)
-        k = k_ref[pg].reshape(block_kv, head_dim)
-        v = v_ref[pg].reshape(block_kv, head_dim)
+        k = k_ref[pg].reshape(block_kv, head_dim).astype(q.dtype)  # (an 8-bit cache: to q's dtype)
+        v = v_ref[pg].reshape(block_kv, head_dim).astype(q.dtype)
         s = plgpu.dot(q, k, trans_b=True)  # [rows, block_kv] f32
         if soft_cap is not None:
             s = (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))

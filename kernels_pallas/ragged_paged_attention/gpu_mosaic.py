@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .gpu import LOG2E, M_INIT, NUM_SMS, _merge_splits, is_decode_bucket, key_blocks, work_items
+from .reference import is_fp8
 
 ROWS = 64  # wgmma tile height
 PROMPT_TOKENS_PER_SEQ = 32  # buckets with at least this many tokens per sequence slot: two compute warpgroups
@@ -80,15 +81,18 @@ def on_hopper() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def supports(q_dtype, head_dim: int, group: int, page_size: int, block_kv: int = 64) -> bool:
-    """Whether this kernel handles the shapes (else the Triton kernel does)."""
+def supports(q_dtype, head_dim: int, group: int, page_size: int, block_kv: int = 64, kv_dtype=None) -> bool:
+    """Whether this kernel handles the shapes (else the Triton kernel does). An 8-bit cache needs rows
+    of whole 128-byte swizzle lines (head_dim a multiple of 128)."""
+    kv_ok = (kv_dtype is None or jnp.dtype(kv_dtype) == jnp.dtype(q_dtype)
+             or (is_fp8(kv_dtype) and head_dim % 128 == 0))
     return (jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 64 == 0
             and head_dim <= 256 and group <= ROWS and group % 4 == 0  # f32 log-sum-exp rows: 16-byte copies
-            and page_size % 8 == 0 and block_kv % page_size == 0 and block_kv % ROWS == 0)
+            and page_size % 8 == 0 and block_kv % page_size == 0 and block_kv % ROWS == 0 and kv_ok)
 
 
 def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_len: int,
-                 head_dim: int = 128) -> MosaicConfig:
+                 head_dim: int = 128, fp8_cache: bool = False) -> MosaicConfig:
     """Decode buckets: one-token query blocks, and key splits so that small batches still cover the GPU
     (programs = tokens x kv heads x splits); other buckets have enough query blocks without splitting.
 
@@ -101,7 +105,8 @@ def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_l
         # RESULTS.md session 8). A decode row's block leaves one of them idle and takes a whole SM (a
         # step with 128 decode rows: 1.2 ms slower), so buckets with room for many decode rows stay on
         # one warpgroup. (With the engine's default 256 sequences no bucket qualifies: S >= T / 8.)
-        two = head_dim <= 128 and num_tokens >= PROMPT_TOKENS_PER_SEQ * num_seqs_max
+        # (8-bit caches: one warpgroup, which converts each block to q's dtype.)
+        two = head_dim <= 128 and num_tokens >= PROMPT_TOKENS_PER_SEQ * num_seqs_max and not fp8_cache
         return MosaicConfig(block_kv, num_stages, 1, compute_warpgroups=2 if two else 1)
     # Decode rows are blocks of one token: a taller block would load Q rows that no row stores.
     programs = num_tokens * num_kv_heads
@@ -201,9 +206,19 @@ def _normalise(acc, denom):
     return acc / lax.broadcast_in_dim(safe, acc.shape, [0]), safe
 
 
+def _upcast(ref, dtype):
+    """An 8-bit tile in shared memory, in registers as `dtype` (through f32: this toolchain's ptxas
+    converts 8-bit floats to f16 only)."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32).astype(dtype)
+
+
 def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_q, block_kv,
             num_stages, page_size, sm_scale, soft_cap, window):
-    """One warpgroup per program: it issues the copies and computes."""
+    """One warpgroup per program: it issues the copies and computes. With an 8-bit cache it converts
+    each block into q's dtype in two more shared-memory tiles and refills the slot at once."""
+    refs = list(refs)
+    convert = kv_ref.dtype != q_ref.dtype
+    kc_smem, vc_smem = (refs.pop(-3), refs.pop(-3)) if convert else (None, None)
     if splits == 1:
         o_ref, q_smem, k_smem, v_smem, q_bar, kv_bars = refs
     else:
@@ -236,22 +251,34 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
             slot = lax.rem(b - it.blk_lo, num_stages)
             plgpu.barrier_wait(kv_bars.at[slot])
 
+            def refill():
+                pl.when(b + num_stages < it.blk_hi)(functools.partial(issue, b + num_stages, slot))
+
+            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+            if convert:
+                kc_smem[...] = _upcast(k_tile, dtype)
+                vc_smem[...] = _upcast(v_tile, dtype)
+                plgpu.commit_smem()  # (also: every thread's reads of the slot are done)
+                refill()
+                k_tile, v_tile = kc_smem, vc_smem
+
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q, k_tile.transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
             s = _scores(s, b, it, masked=masked, first_pos=it.pos, group=row_group, block_kv=block_kv,
                         sm_scale=sm_scale, soft_cap=soft_cap, window=window)
             if masked:
-                _zero_masked_v(v_smem.at[slot], b, it, block_kv)
+                _zero_masked_v(v_tile, b, it, block_kv)
             p, m, denom, acc = _softmax(s, m, denom, acc)
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p.astype(dtype), v_tile)
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            pl.when(b + num_stages < it.blk_hi)(functools.partial(issue, b + num_stages, slot))
+            if not convert:
+                refill()
             return acc, m, denom
 
         acc, m, denom = _key_loops(step, it, _init_carry(head_dim), window)
@@ -416,16 +443,19 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
     num_seqs_max, pages_per_seq = page_indices.shape
     group = num_q_heads // num_kv_heads
-    config = config or tuned_config(num_tokens, num_seqs_max, num_kv_heads, pages_per_seq * page_size, head_dim)
+    fp8_cache = is_fp8(kv_cache.dtype)
+    config = config or tuned_config(num_tokens, num_seqs_max, num_kv_heads, pages_per_seq * page_size, head_dim,
+                                    fp8_cache=fp8_cache)
     block_q = config.block_q or max(1, ROWS // group)
     wgs = config.compute_warpgroups
-    if (not supports(q.dtype, head_dim, group, page_size, config.block_kv) or block_q * group > ROWS
-            or (wgs == 2 and head_dim > 128)):
+    if (not supports(q.dtype, head_dim, group, page_size, config.block_kv, kv_dtype=kv_cache.dtype)
+            or block_q * group > ROWS or (wgs == 2 and (head_dim > 128 or fp8_cache))):
         raise ValueError(f"ragged_paged_attention: `config` {config} asks for the Mosaic GPU kernel, which needs "
                          f"bf16/f16, head_dim a multiple of 64 (<= 256; <= 128 with two compute warpgroups), a GQA "
                          f"group that is a multiple of 4, page_size a multiple of 8, block_kv a multiple of 64 and "
-                         f"of page_size, and block_q x group <= {ROWS}; got {q.dtype}, head_dim {head_dim}, group "
-                         f"{group}, page_size {page_size}")
+                         f"of page_size, and block_q x group <= {ROWS}; an 8-bit cache needs head_dim a multiple of "
+                         f"128 and one compute warpgroup; got {q.dtype} (cache {kv_cache.dtype}), head_dim "
+                         f"{head_dim}, group {group}, page_size {page_size}")
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     items = work_items(cu_q_lens, num_seqs, num_tokens, block_q * wgs)
     num_items = items[0].shape[0]
@@ -449,14 +479,16 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
 
     # Q lands untiled (a TMA copy per token of just the group's rows) and goes to registers as the
     # wgmma's A; the result leaves through the same buffer (f32 results through their own).
-    scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype), _tiled((stages, block_kv, head_dim), q.dtype),
-               _tiled((stages, block_kv, head_dim), q.dtype)]
+    scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype), _tiled((stages, block_kv, head_dim), kv_cache.dtype),
+               _tiled((stages, block_kv, head_dim), kv_cache.dtype)]
     if splits == 1:
         out_type = jax.ShapeDtypeStruct(qg.shape, q.dtype)
     else:
         out_type = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
                     jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
         scratch += [plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
+    if fp8_cache:  # the block converted to q's dtype: K, V
+        scratch += [_tiled((block_kv, head_dim), q.dtype), _tiled((block_kv, head_dim), q.dtype)]
     scratch += [plgpu.Barrier(num_arrivals=block_q),
                 plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
     res = plgpu.kernel(

@@ -14,6 +14,8 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .reference import to_cache_dtype
+
 
 def supports(head_dim: int) -> bool:
     """Triton tiles need a power-of-two row; other head sizes keep the XLA scatter."""
@@ -27,8 +29,8 @@ def _kernel(slots_ref, k_ref, v_ref, _cache_in_ref, cache_ref, *, page_size):
     @pl.when(slot >= 0)
     def _():
         page, offset = slot // page_size, slot % page_size
-        cache_ref[0, h, page, offset, :] = k_ref[t, h, :].astype(cache_ref.dtype)
-        cache_ref[1, h, page, offset, :] = v_ref[t, h, :].astype(cache_ref.dtype)
+        cache_ref[0, h, page, offset, :] = to_cache_dtype(k_ref[t, h, :], cache_ref.dtype)
+        cache_ref[1, h, page, offset, :] = to_cache_dtype(v_ref[t, h, :], cache_ref.dtype)
 
 
 def write_kv_gpu(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,

@@ -7,6 +7,10 @@ KV cache layout, one array per layer: `[2, num_kv_heads, num_pages, page_size, h
 (index 0 = K, 1 = V). A page of one head is a contiguous `[page_size, head_dim]` tile, which is what
 a GPU program that owns one (sequence, kv-head) pair streams from HBM.
 
+Cache dtype: the model's dtype, or an 8-bit float (`FP8_DTYPES`, vLLM's `kv_cache_dtype="fp8"`) that
+halves the cache's bytes. New K/V are written saturated to the 8-bit type's finite range with no
+scale (vLLM's default scale of 1.0); attention reads them back in the query's dtype.
+
 Slots: token slot `s` lives in page `s // page_size` at offset `s % page_size`. A slot of -1 marks a
 padding token whose K/V must not be written anywhere.
 """
@@ -17,6 +21,20 @@ import jax
 import jax.numpy as jnp
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
+    """x in the cache's dtype; into an 8-bit float saturated to its finite range (a plain cast would
+    turn values past it into NaN in e4m3fn, which has no infinity)."""
+    if is_fp8(dtype):
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
+    return x.astype(dtype)
 
 
 def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -30,7 +48,7 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     oob = num_pages * page_size
     slots = jnp.where(slot_mapping < 0, oob, slot_mapping)
     page, offset = slots // page_size, slots % page_size
-    kv = jnp.stack([k, v]).astype(kv_cache.dtype)  # [2, T, Hkv, D]
+    kv = to_cache_dtype(jnp.stack([k, v]), kv_cache.dtype)  # [2, T, Hkv, D]
     kv = jnp.swapaxes(kv, 1, 2)  # [2, Hkv, T, D]
     return kv_cache.at[:, :, page, offset].set(kv, mode="drop")
 

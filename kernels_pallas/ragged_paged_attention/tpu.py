@@ -129,8 +129,8 @@ def _kernel(item_blk_ref, item_seq_ref, kv_lens_ref, pages_ref, cu_ref,  # scala
 
             for c in copies(j, slot):
                 c.wait()
-            k = k_buf[slot].reshape(block_kv, head_dim)
-            v = v_buf[slot].reshape(block_kv, head_dim)
+            k = k_buf[slot].reshape(block_kv, head_dim).astype(q.dtype)  # (an 8-bit cache: to q's dtype)
+            v = v_buf[slot].reshape(block_kv, head_dim).astype(q.dtype)
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             s = s * sm_scale
             if soft_cap is not None:
