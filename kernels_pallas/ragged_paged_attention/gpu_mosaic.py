@@ -206,10 +206,23 @@ def _normalise(acc, denom):
     return acc / lax.broadcast_in_dim(safe, acc.shape, [0]), safe
 
 
+FP8_MATMUL_DTYPE = jnp.float16  # what an 8-bit cache's blocks (and Q, P) are multiplied in
+FP8_LOAD_LAYOUT = "WGMMA_UPCAST_2X"  # fastest of WGMMA, WGMMA_8BIT, WGMMA_UPCAST_2X on an H200 (RESULTS.md)
+
+
 def _upcast(ref, dtype):
-    """An 8-bit tile in shared memory, in registers as `dtype` (through f32: this toolchain's ptxas
-    converts 8-bit floats to f16 only)."""
-    return plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32).astype(dtype)
+    """An 8-bit tile in shared memory, in registers as `dtype` (to f16 directly; to bf16 through f32:
+    this toolchain's ptxas converts 8-bit floats to f16 only)."""
+    x = plgpu.load(ref, layout=getattr(plgpu.Layout, FP8_LOAD_LAYOUT))
+    return x.astype(dtype) if jnp.dtype(dtype) == jnp.float16 else x.astype(jnp.float32).astype(dtype)
+
+
+def _to_matmul_dtype(x, dtype):
+    """q (or P) for the wgmma in `dtype`; into f16 saturated to its finite range."""
+    if jnp.dtype(dtype) == jnp.float16 and x.dtype != jnp.float16:
+        top = float(jnp.finfo(jnp.float16).max)
+        return jnp.clip(x.astype(jnp.float32), -top, top).astype(dtype)
+    return x.astype(dtype)
 
 
 def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_q, block_kv,
@@ -244,6 +257,8 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
             pl.when(it.blk_lo + i < it.blk_hi)(functools.partial(issue, it.blk_lo + i, i))
         plgpu.barrier_wait(q_bar)
         q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)  # rows past the group: never stored
+        mm_dtype = FP8_MATMUL_DTYPE if convert else dtype
+        q = _to_matmul_dtype(q, mm_dtype)
         row_group = group if block_q > 1 or window is not None else None
 
         def step(b, carry, masked):
@@ -256,8 +271,8 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
 
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             if convert:
-                kc_smem[...] = _upcast(k_tile, dtype)
-                vc_smem[...] = _upcast(v_tile, dtype)
+                kc_smem[...] = _upcast(k_tile, mm_dtype)
+                vc_smem[...] = _upcast(v_tile, mm_dtype)
                 plgpu.commit_smem()  # (also: every thread's reads of the slot are done)
                 refill()
                 k_tile, v_tile = kc_smem, vc_smem
@@ -274,7 +289,7 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
             p, m, denom, acc = _softmax(s, m, denom, acc)
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p.astype(dtype), v_tile)
+                plgpu.wgmma(acc_ref, p.astype(mm_dtype), v_tile)
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             if not convert:
@@ -488,7 +503,7 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
                     jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
         scratch += [plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
     if fp8_cache:  # the block converted to q's dtype: K, V
-        scratch += [_tiled((block_kv, head_dim), q.dtype), _tiled((block_kv, head_dim), q.dtype)]
+        scratch += [_tiled((block_kv, head_dim), FP8_MATMUL_DTYPE), _tiled((block_kv, head_dim), FP8_MATMUL_DTYPE)]
     scratch += [plgpu.Barrier(num_arrivals=block_q),
                 plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
     res = plgpu.kernel(
