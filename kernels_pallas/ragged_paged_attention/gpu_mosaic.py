@@ -21,6 +21,12 @@ Two program layouts (`MosaicConfig.compute_warpgroups`):
   one's softmax runs while the other's matmuls do. Each K/V block read from L2 feeds twice the rows.
   A warpgroup without tokens (a decode row's block) only keeps the barriers' counts.
 
+8-bit caches (`kv_cache_dtype="fp8"`): layout 1 only. Each block's pages land as e4m3/e5m2, are
+converted to f16 into two more shared-memory tiles (the slot is refilled at once), and the block is
+multiplied in f16 (Q saturated to f16's range, P in f16). On an H200 this is no faster than bf16 at
+decode (RESULTS.md, session 9): the decode programs are bound by their compute (a 64-row wgmma tile
+holding 4 real rows), not by the bytes they read.
+
 Keys no row of the block may see (past the last token's causal limit, before a sliding window's start
 for the first token) get their V rows zeroed in shared memory, since slots past a sequence's length
 may hold anything; blocks where some row sees less than others (the diagonal, the window's edge) are
@@ -105,7 +111,7 @@ def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_l
         # RESULTS.md session 8). A decode row's block leaves one of them idle and takes a whole SM (a
         # step with 128 decode rows: 1.2 ms slower), so buckets with room for many decode rows stay on
         # one warpgroup. (With the engine's default 256 sequences no bucket qualifies: S >= T / 8.)
-        # (8-bit caches: one warpgroup, which converts each block to q's dtype.)
+        # (8-bit caches: one warpgroup, which converts each block to f16.)
         two = head_dim <= 128 and num_tokens >= PROMPT_TOKENS_PER_SEQ * num_seqs_max and not fp8_cache
         return MosaicConfig(block_kv, num_stages, 1, compute_warpgroups=2 if two else 1)
     # Decode rows are blocks of one token: a taller block would load Q rows that no row stores.
@@ -206,29 +212,22 @@ def _normalise(acc, denom):
     return acc / lax.broadcast_in_dim(safe, acc.shape, [0]), safe
 
 
-FP8_MATMUL_DTYPE = jnp.float16  # what an 8-bit cache's blocks (and Q, P) are multiplied in
-FP8_LOAD_LAYOUT = "WGMMA_UPCAST_2X"  # fastest of WGMMA, WGMMA_8BIT, WGMMA_UPCAST_2X on an H200 (RESULTS.md)
+# 8-bit caches: each block is converted to f16 in shared memory and multiplied in f16 (with Q and P in
+# f16): 8-bit floats convert to f16 in one instruction (to bf16 only through f32 with this ptxas), and
+# this load layout was the fastest of WGMMA, WGMMA_8BIT and WGMMA_UPCAST_2X on an H200 (RESULTS.md).
+FP8_LOAD_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
+F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
-def _upcast(ref, dtype):
-    """An 8-bit tile in shared memory, in registers as `dtype` (to f16 directly; to bf16 through f32:
-    this toolchain's ptxas converts 8-bit floats to f16 only)."""
-    x = plgpu.load(ref, layout=getattr(plgpu.Layout, FP8_LOAD_LAYOUT))
-    return x.astype(dtype) if jnp.dtype(dtype) == jnp.float16 else x.astype(jnp.float32).astype(dtype)
-
-
-def _to_matmul_dtype(x, dtype):
-    """q (or P) for the wgmma in `dtype`; into f16 saturated to its finite range."""
-    if jnp.dtype(dtype) == jnp.float16 and x.dtype != jnp.float16:
-        top = float(jnp.finfo(jnp.float16).max)
-        return jnp.clip(x.astype(jnp.float32), -top, top).astype(dtype)
-    return x.astype(dtype)
+def _upcast(ref):
+    """An 8-bit tile in shared memory, in registers as f16."""
+    return plgpu.load(ref, layout=FP8_LOAD_LAYOUT).astype(jnp.float16)
 
 
 def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_q, block_kv,
             num_stages, page_size, sm_scale, soft_cap, window):
     """One warpgroup per program: it issues the copies and computes. With an 8-bit cache it converts
-    each block into q's dtype in two more shared-memory tiles and refills the slot at once."""
+    each block to f16 in two more shared-memory tiles and refills the slot at once."""
     refs = list(refs)
     convert = kv_ref.dtype != q_ref.dtype
     kc_smem, vc_smem = (refs.pop(-3), refs.pop(-3)) if convert else (None, None)
@@ -257,8 +256,9 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
             pl.when(it.blk_lo + i < it.blk_hi)(functools.partial(issue, it.blk_lo + i, i))
         plgpu.barrier_wait(q_bar)
         q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)  # rows past the group: never stored
-        mm_dtype = FP8_MATMUL_DTYPE if convert else dtype
-        q = _to_matmul_dtype(q, mm_dtype)
+        mm_dtype = jnp.float16 if convert else dtype
+        if convert:  # saturated to f16's range
+            q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(mm_dtype)
         row_group = group if block_q > 1 or window is not None else None
 
         def step(b, carry, masked):
@@ -271,8 +271,8 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
 
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             if convert:
-                kc_smem[...] = _upcast(k_tile, mm_dtype)
-                vc_smem[...] = _upcast(v_tile, mm_dtype)
+                kc_smem[...] = _upcast(k_tile)
+                vc_smem[...] = _upcast(v_tile)
                 plgpu.commit_smem()  # (also: every thread's reads of the slot are done)
                 refill()
                 k_tile, v_tile = kc_smem, vc_smem
@@ -502,8 +502,8 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         out_type = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
                     jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
         scratch += [plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
-    if fp8_cache:  # the block converted to q's dtype: K, V
-        scratch += [_tiled((block_kv, head_dim), FP8_MATMUL_DTYPE), _tiled((block_kv, head_dim), FP8_MATMUL_DTYPE)]
+    if fp8_cache:  # the block converted for the wgmma: K, V
+        scratch += [_tiled((block_kv, head_dim), jnp.float16)] * 2
     scratch += [plgpu.Barrier(num_arrivals=block_q),
                 plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
     res = plgpu.kernel(
