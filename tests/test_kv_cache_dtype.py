@@ -64,8 +64,9 @@ def test_8bit_cache_logits_stay_close_to_the_full_precision_ones(model):
 
 
 def test_kv_cache_dtype_is_validated_and_sized():
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(model="m", kv_cache_dtype="int8")
+    for bad in ("int8", ["fp8"], None):
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            EngineConfig(model="m", kv_cache_dtype=bad)
     cfg = EngineConfig(model="m", kv_cache_dtype="fp8")
     assert cfg.cache_dtype(jnp.bfloat16) == E4M3
     assert EngineConfig(model="m").cache_dtype(jnp.bfloat16) == jnp.dtype(jnp.bfloat16)
