@@ -13,13 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.engine_config import KV_CACHE_DTYPES
+
 H200_COPY_BW = 4.3e12  # bytes/s, measured device copy ceiling (shared/BENCHMARKS.md)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="jengine/llama-3.1-8b", help="model dir or preset (dummy weights)")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (= fp8_e4m3) | fp8_e5m2")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)

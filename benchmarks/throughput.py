@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import time
 
+import jax.numpy as jnp
 from common import (
+    KV_CACHE_DTYPES,
     add_dataset_flags,
     add_engine_flags,
     build_llm,
@@ -26,6 +28,12 @@ from common import (
     roofline,
     write_json,
 )
+
+
+def kv_cache_bytes(kv_cache_dtype: str) -> int | None:
+    """Bytes per cached K/V value for `--kv-cache-dtype` (None: the model's dtype)."""
+    name = KV_CACHE_DTYPES[kv_cache_dtype]
+    return jnp.dtype(name).itemsize if name else None
 
 
 def run_jengine(args, requests) -> dict:
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"workload: {args.dataset}, {len(requests)} requests, {prompt_tokens} prompt tokens "
           f"(mean {prompt_tokens / len(requests):.0f}), {sum(o for _, o in lengths)} output tokens")
     bound = roofline(args.model, lengths, args.max_num_seqs, dtype_bytes=4 if "32" in args.dtype else 2,
-                     kv_dtype_bytes=1 if args.kv_cache_dtype.startswith("fp8") else None,
+                     kv_dtype_bytes=kv_cache_bytes(args.kv_cache_dtype),
                      flops=args.peak_tflops * 1e12 * args.tensor_parallel_size,  # aggregate over the TP group
                      bandwidth=args.peak_tb_s * 1e12 * args.tensor_parallel_size)
     rows = hf_in_child(__file__, argv) if args.backend == "both" else []  # first: before JAX takes the device

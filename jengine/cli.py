@@ -7,13 +7,15 @@ import json
 import os
 import sys
 
+from jengine.engine_config import KV_CACHE_DTYPES
 from jengine.presets import DEFAULT_MODEL
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM's."""
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (= fp8_e4m3) | fp8_e5m2")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
+                        help="K/V pages in the model's dtype (auto) or 8-bit floats (fp8 = fp8_e4m3, fp8_e5m2)")
     parser.add_argument("--load-format", default="auto", help="auto | safetensors | orbax | dummy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -108,7 +108,7 @@ class LLMEngine:
         device = None if mesh is None else next(
             (d for d in mesh.devices.flat if d.process_index == jax.process_index()), None)
         mem = device_memory(device)
-        kv_dtype = ecfg.cache_dtype(cfg.dtype)
+        kv_dtype = jax.numpy.dtype(ecfg.cache_dtype(cfg.dtype))
         num_pages = num_device_pages(device_cfg, ecfg, kv_dtype, device=device, tp=tp)
         num_cpu_pages = num_host_pages(device_cfg, ecfg, kv_dtype)
         executables = None if not config.compilation_cache_dir else ExecutableCache(

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
 from jengine.buckets import default_seq_buckets, default_token_buckets
 from jengine.config import ModelConfig, normalize_dtype
 
@@ -130,9 +128,10 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={tp} must divide the number of query heads "
                              f"({model_cfg.num_attention_heads})")
 
-    def cache_dtype(self, model_dtype) -> jnp.dtype:
-        """The KV cache's dtype for a model computing in `model_dtype`."""
-        return jnp.dtype(KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype)
+    def cache_dtype(self, model_dtype):
+        """The KV cache's dtype for a model computing in `model_dtype`: that dtype, or an 8-bit float's
+        name (anything `jnp.dtype` takes; this module stays free of jax)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
     @property
     def pages_per_seq(self) -> int:

@@ -219,7 +219,7 @@ class ModelRunner:
         # Allocated after warm-up's compilations (`allocate_kv_cache`): XLA's GEMM autotuning borrows
         # device memory while compiling, which a cache sized to most of the free memory would not leave.
         self.kv_caches: list[jax.Array] | None = None
-        self.kv_dtype = ecfg.cache_dtype(cfg.dtype)
+        self.kv_dtype = jnp.dtype(ecfg.cache_dtype(cfg.dtype))
         self.host_pool = kv_cache.HostPagePool(cfg, num_host_pages, ecfg.block_size, self.kv_dtype)
         self.max_seqs = max(ecfg.seq_buckets)
         self.no_prev_ids = jnp.zeros((self.max_seqs,), jnp.int32)

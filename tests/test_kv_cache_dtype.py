@@ -75,6 +75,8 @@ def test_kv_cache_dtype_is_validated_and_sized():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_kwargs(parser.parse_args(["--kv-cache-dtype", "fp8_e5m2"]))["kv_cache_dtype"] == "fp8_e5m2"
+    with pytest.raises(SystemExit):  # argparse names the flag and its choices
+        parser.parse_args(["--kv-cache-dtype", "int8"])
     from jengine.kv_cache import page_bytes
 
     model_cfg = load_model(FIXTURE, dtype="bfloat16", load_format="dummy")[0]
