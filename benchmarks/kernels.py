@@ -191,14 +191,26 @@ def cupti_us(fn, args, calls, rests=None):
 def parse_config(text):
     """'' = the table (on Hopper: the Mosaic kernel); 'triton' = the Triton kernel as its table runs it;
     'm:block_kv,stages,splits[,block_q[,compute_warpgroups]]' = a Mosaic tile (an empty block_q: the
-    default); 'block_q,block_kv,splits,warps,stages' = a Triton tile (one launch)."""
+    default); 'mt:block_kv,stages,splits' = the transposed Mosaic decode kernel's;
+    'block_q,block_kv,splits,warps,stages' = a Triton tile (one launch)."""
     if not text:
         return None
     if text == "triton":
         return "triton"
+    if text.startswith("mt:"):
+        return gpu_mosaic.MosaicConfig(*(int(x) for x in text[3:].split(",")), transposed=True)
     if text.startswith("m:"):
         return gpu_mosaic.MosaicConfig(*(int(x) if x else None for x in text[2:].split(",")))
     return gpu_kernel.GpuConfig(*(int(x) for x in text.split(",")))
+
+
+def config_name(cfg):
+    """A tile as `--configs` spells it."""
+    if isinstance(cfg, gpu_mosaic.MosaicConfig):
+        if cfg.transposed:
+            return f"mt:{cfg.block_kv},{cfg.num_stages},{cfg.num_kv_splits}"
+        return "m:" + ",".join(str(v) for k, v in vars(cfg).items() if v is not None and k != "transposed")
+    return ",".join(str(v) for v in vars(cfg).values())
 
 
 def main(argv=None):
@@ -212,7 +224,8 @@ def main(argv=None):
     p.add_argument("--impl", default=None, help="gpu / tpu / reference (default: by backend)")
     p.add_argument("--configs", default="", help="';'-separated configs to time side by side (default: the "
                    "table): '' (the table), 'triton' (the Triton table tile), "
-                   "'m:block_kv,stages,splits[,block_q[,wgs]]' (Mosaic tile), "
+                   "'m:block_kv,stages,splits[,block_q[,wgs]]' (Mosaic tile), 'mt:block_kv,stages,splits' "
+                   "(transposed Mosaic decode tile), "
                    "'block_q,block_kv,splits,warps,stages' (Triton tile)")
     p.add_argument("--max-tokens", type=int, default=65536, help="skip prefill shapes with more q tokens")
     p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")
@@ -269,9 +282,7 @@ def main(argv=None):
                     except Exception as e:  # a config that does not compile is reported, not fatal
                         print(f"{mode:8}{b:>5}{ctx:>7}  {str(cfg):24} failed: {type(e).__name__}: {e}"[:300])
                         continue
-                    tag = "m:" if isinstance(cfg, gpu_mosaic.MosaicConfig) else ""
-                    name = ("table" if cfg is None else cfg if isinstance(cfg, str)
-                            else tag + ",".join(str(v) for v in vars(cfg).values() if v is not None))
+                    name = "table" if cfg is None else cfg if isinstance(cfg, str) else config_name(cfg)
                     row = dict(mode=mode, batch=b, ctx=ctx, config=name, us=us, kv_tb_s=kv_bytes / us / 1e6,
                                tflop_s=flops / us / 1e6, bundled_us=bundled_us)
                     rows.append(row)

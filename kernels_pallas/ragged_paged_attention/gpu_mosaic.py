@@ -62,10 +62,14 @@ class MosaicConfig:
     # 1: one warpgroup copies and computes; 2: two compute warpgroups share each K/V block, which a third
     # copies in (no key splits, head_dim <= 128).
     compute_warpgroups: int = 1
+    # One-token query blocks (decode) computed transposed: S^T = K Q^T with the block's keys as the
+    # wgmma's rows and the token's query heads as its columns (padded to a multiple of 8), then
+    # O^T += V^T P^T. Needs block_q 1 and one compute warpgroup.
+    transposed: bool = False
 
     def __post_init__(self):
         for name, value in vars(self).items():
-            if name == "block_q" and value is None:
+            if (name == "block_q" and value is None) or name == "transposed":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MosaicConfig: `{name}` must be a positive int, got {value!r}")
@@ -74,6 +78,11 @@ class MosaicConfig:
         if self.compute_warpgroups == 2 and self.num_kv_splits != 1:
             raise ValueError("MosaicConfig: `num_kv_splits` must be 1 with two compute warpgroups, got "
                              f"{self.num_kv_splits!r}")
+        if not isinstance(self.transposed, bool):
+            raise ValueError(f"MosaicConfig: `transposed` must be a bool, got {self.transposed!r}")
+        if self.transposed and (self.block_q not in (None, 1) or self.compute_warpgroups != 1):
+            raise ValueError("MosaicConfig: `transposed` needs one-token query blocks (block_q 1) and one compute "
+                             f"warpgroup, got block_q {self.block_q!r}, compute_warpgroups {self.compute_warpgroups!r}")
         if self.compute_warpgroups == 2 and self.num_stages < 2:
             # (Only 2-3 slots were tested on a GPU; with one, K of the next block and V of this one share a
             # slot's turn and an idle warpgroup's early releases are unchecked.)
@@ -114,10 +123,11 @@ def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_l
         # (8-bit caches: one warpgroup, which converts each block to f16.)
         two = head_dim <= 128 and num_tokens >= PROMPT_TOKENS_PER_SEQ * num_seqs_max and not fp8_cache
         return MosaicConfig(block_kv, num_stages, 1, compute_warpgroups=2 if two else 1)
-    # Decode rows are blocks of one token: a taller block would load Q rows that no row stores.
+    # Decode rows are blocks of one token, computed transposed (keys as the wgmma's rows): a 64-row
+    # block of one token's group wastes 60 of its rows.
     programs = num_tokens * num_kv_heads
     splits = max(1, min(16, (2 * NUM_SMS) // max(programs, 1), max_kv_len // (4 * block_kv)))
-    return MosaicConfig(block_kv, num_stages, 1 << (splits.bit_length() - 1), block_q=1)
+    return MosaicConfig(block_kv, num_stages, 1 << (splits.bit_length() - 1), block_q=1, transposed=True)
 
 
 class _Item:
@@ -156,14 +166,18 @@ def _copy_pages(meta_ref, kv_ref, it, h, b, dsts, *, pages_at, pages_per_seq, pa
             plgpu.copy_gmem_to_smem(kv_ref.at[which, h, page], dst.at[pl.ds(j * page_size, page_size)], bar)
 
 
+def _scale(s, sm_scale, soft_cap):
+    """Scores in base 2: scaled, soft-capped where the model caps them."""
+    if soft_cap is not None:
+        return (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
+    return s * (sm_scale * LOG2E)
+
+
 def _scores(s, b, it, *, masked, first_pos, group, block_kv, sm_scale, soft_cap, window):
     """Scaled (base-2) scores of key block b. Masked: keys past kv_hi, and, unless group is None (every
     row is the same token), per row past its causal limit or before its window; rows are token-major,
     `group` rows per token, the first at first_pos."""
-    if soft_cap is not None:
-        s = (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
-    else:
-        s = s * (sm_scale * LOG2E)
+    s = _scale(s, sm_scale, soft_cap)
     if masked:
         key = b * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         visible = key < it.kv_hi
@@ -318,6 +332,101 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
         plgpu.wait_smem_to_gmem(0)
 
 
+def _kernel_t(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_kv,
+              num_stages, page_size, sm_scale, soft_cap, window, group, per_slab):
+    """Transposed, for one-token query blocks: the block's keys are the wgmma's rows and the token's
+    query heads its columns: a slab of Q rows holding `per_slab` kv heads' groups (the other heads'
+    columns are computed and never stored), or one group padded to a multiple of 8.
+    Per key block: S^T = K Q^T [block_kv, cols], a softmax down the columns (running sums kept per key
+    row, reduced once at the end), P^T to shared memory, then O^T += V^T P^T [head_dim, cols]."""
+    refs = list(refs)
+    convert = kv_ref.dtype != q_ref.dtype
+    q_bar, kv_bars = refs[-2:]
+    vc_smem = refs[-3] if convert else None
+    refs = refs[:-3] if convert else refs[:-2]
+    if splits == 1:
+        (o_ref, q_smem, k_smem, v_smem, p_smem, o_smem), lse_ref, lse_smem = refs, None, None
+    else:
+        o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem = refs
+    h = lax.axis_index("head")
+    split = lax.axis_index("split")
+    it = _Item(meta_ref, lax.axis_index("item"), split, num_items=num_items,
+               num_seqs_max=num_seqs_max, block_kv=block_kv, splits=splits, window=window)
+    cols, head_dim = q_smem.shape
+    copy = functools.partial(_copy_pages, meta_ref, kv_ref, it=it, h=h, pages_at=3 * num_items + 2 * num_seqs_max + 1,
+                             pages_per_seq=pages_per_seq, page_size=page_size)
+
+    def issue(b, slot):
+        copy(b=b, dsts=((0, k_smem.at[slot], kv_bars.at[slot]), (1, v_smem.at[slot], kv_bars.at[slot])))
+
+    @pl.when(it.n_tok > 0)
+    def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[it.q_start, h // per_slab], q_smem, q_bar)
+        for i in range(num_stages):
+            pl.when(it.blk_lo + i < it.blk_hi)(functools.partial(issue, it.blk_lo + i, i))
+        plgpu.barrier_wait(q_bar)
+
+        def step(b, carry, masked):
+            acc, m, run_sum = carry
+            slot = lax.rem(b - it.blk_lo, num_stages)
+            plgpu.barrier_wait(kv_bars.at[slot])
+
+            def refill():
+                pl.when(b + num_stages < it.blk_hi)(functools.partial(issue, b + num_stages, slot))
+
+            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+            if convert:  # K into registers (the wgmma's A), V into a tile of its own; then the refill
+                k_tile = plgpu.layout_cast(_upcast(k_tile), plgpu.Layout.WGMMA)
+                vc_smem[...] = _upcast(v_tile)
+                plgpu.commit_smem()
+                refill()
+                v_tile = vc_smem
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
+                return acc_ref[...]
+
+            s = _scale(pl.run_scoped(qk, plgpu.ACC((block_kv, cols), jnp.float32)), sm_scale, soft_cap)
+            if masked:
+                key = b * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                s = jnp.where((key >= it.kv_lo) & (key < it.kv_hi), s, -jnp.inf)
+                _zero_masked_v(v_tile, b, it, block_kv)
+            m_new = jnp.maximum(m, s.max(axis=0))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+            run_sum = run_sum * lax.broadcast_in_dim(alpha, run_sum.shape, [1]) + p
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+            p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            if not convert:
+                refill()
+            return acc, m_new, run_sum
+
+        carry = (plgpu.layout_cast(jnp.zeros((head_dim, cols), jnp.float32), plgpu.Layout.WGMMA),
+                 plgpu.layout_cast(jnp.full((cols,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
+                 plgpu.layout_cast(jnp.zeros((block_kv, cols), jnp.float32), plgpu.Layout.WGMMA))
+        acc, m, run_sum = _key_loops(step, it, carry, window)
+        denom = run_sum.sum(axis=0)
+        safe = jnp.where(denom == 0.0, 1.0, denom)
+        out = (acc / lax.broadcast_in_dim(safe, acc.shape, [1])).astype(o_smem.dtype)
+        o_smem.transpose((1, 0))[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+        rows = pl.ds(lax.rem(h, per_slab) * group, group)
+        if splits == 1:
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[it.q_start, h])
+        else:
+            lse_smem[...] = jnp.where(denom > 0.0, m + jnp.log2(safe), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, it.q_start, h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[split, it.q_start, h])
+        plgpu.wait_smem_to_gmem(0)
+
+
 def _kernel_ws(meta_ref, q_ref, kv_ref, o_ref, *, num_items, num_seqs_max, pages_per_seq, block_q, block_kv,
                num_stages, page_size, sm_scale, soft_cap, window):
     """Warp-specialised: two compute warpgroups of `block_q` tokens each share every K/V block, which a
@@ -461,7 +570,7 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     fp8_cache = is_fp8(kv_cache.dtype)
     config = config or tuned_config(num_tokens, num_seqs_max, num_kv_heads, pages_per_seq * page_size, head_dim,
                                     fp8_cache=fp8_cache)
-    block_q = config.block_q or max(1, ROWS // group)
+    block_q = 1 if config.transposed else config.block_q or max(1, ROWS // group)
     wgs = config.compute_warpgroups
     if (not supports(q.dtype, head_dim, group, page_size, config.block_kv, kv_dtype=kv_cache.dtype)
             or block_q * group > ROWS or (wgs == 2 and (head_dim > 128 or fp8_cache))):
@@ -492,6 +601,8 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         )(meta, qg, kv_cache)
         return out.reshape(num_tokens, num_q_heads, head_dim)
 
+    if config.transposed:
+        return _launch_transposed(q, kv_cache, meta, static, params, splits=splits, group=group)
     # Q lands untiled (a TMA copy per token of just the group's rows) and goes to registers as the
     # wgmma's A; the result leaves through the same buffer (f32 results through their own).
     scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype), _tiled((stages, block_kv, head_dim), kv_cache.dtype),
@@ -511,4 +622,46 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         grid=(num_items, num_kv_heads, splits), grid_names=("item", "head", "split"), compiler_params=params,
     )(meta, qg, kv_cache)
     out = res if splits == 1 else _merge_splits(*res).astype(q.dtype)
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _launch_transposed(q, kv_cache, meta, static, params, *, splits, group):
+    """The transposed kernel over one-token items. Q enters as slabs [T, slabs, cols, D], one bulk copy
+    into a tiled wgmma operand: `cols` consecutive query heads when that covers whole groups (group 4:
+    two kv heads' groups), else each group padded to `cols` rows. Results leave through an untiled
+    buffer of the slab's rows."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[1]
+    static = {k: v for k, v in static.items() if k != "block_q"}
+    cols = -(-group // 8) * 8  # wgmma N: a multiple of 8
+    out_dtype = q.dtype
+    if is_fp8(kv_cache.dtype):  # the block is multiplied in f16: Q saturated to its range
+        q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
+    mm_dtype = q.dtype
+    if cols % group == 0 and num_q_heads % cols == 0:
+        per_slab, q = cols // group, q.reshape(num_tokens, num_q_heads // cols, cols, head_dim)
+    else:
+        per_slab = 1
+        q = jnp.pad(q.reshape(num_tokens, num_kv_heads, group, head_dim), ((0, 0), (0, 0), (0, cols - group), (0, 0)))
+    stages, block_kv = static["num_stages"], static["block_kv"]
+    o_shape = (num_tokens, num_kv_heads, group, head_dim)
+    scratch = [_tiled((cols, head_dim), mm_dtype), _tiled((stages, block_kv, head_dim), kv_cache.dtype),
+               _tiled((stages, block_kv, head_dim), kv_cache.dtype), _tiled((cols, block_kv), mm_dtype)]
+    if splits == 1:
+        out_type = jax.ShapeDtypeStruct(o_shape, out_dtype)
+        scratch += [plgpu.SMEM((cols, head_dim), out_dtype)]
+    else:
+        out_type = (jax.ShapeDtypeStruct((splits, *o_shape), jnp.float32),
+                    jax.ShapeDtypeStruct((splits, *o_shape[:-1]), jnp.float32))
+        scratch += [plgpu.SMEM((cols, head_dim), jnp.float32), plgpu.SMEM((cols,), jnp.float32)]
+    if mm_dtype != kv_cache.dtype:  # V converted for the wgmma (K goes to registers)
+        scratch += [_tiled((block_kv, head_dim), mm_dtype)]
+    scratch += [plgpu.Barrier(num_arrivals=1),
+                plgpu.Barrier(num_arrivals=2 * (block_kv // static["page_size"]), num_barriers=stages)]
+    res = plgpu.kernel(
+        functools.partial(_kernel_t, splits=splits, group=group, per_slab=per_slab, **static), out_type=out_type,
+        scratch_types=scratch, grid=(static["num_items"], num_kv_heads, splits), grid_names=("item", "head", "split"),
+        compiler_params=params,
+    )(meta, q, kv_cache)
+    out = res if splits == 1 else _merge_splits(*res).astype(out_dtype)
     return out.reshape(num_tokens, num_q_heads, head_dim)
