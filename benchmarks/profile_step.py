@@ -26,7 +26,7 @@ from common import H200_COPY_BW, streamed_weight_bytes, write_json
 
 from jengine.buckets import seq_bucket
 from jengine.engine import LLMEngine
-from jengine.engine_config import EngineConfig
+from jengine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from jengine.runner import build_step_input
 from jengine.sampler import build_sampling_tensors
 from jengine.sampling_params import SamplingParams
@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--gaps", type=int, default=0, help="also list the N widest idle gaps, with their neighbours")
     parser.add_argument("--host-events", type=int, default=0, help="also list the host's N busiest annotations")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
     parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default flags"))
     parser.add_argument("--output-json", default=None)
@@ -186,6 +187,7 @@ def main() -> None:
                                     max_num_seqs=max(seqs), max_num_batched_tokens=max(buckets),
                                     token_buckets=buckets, seq_buckets=seqs,
                                     gpu_memory_utilization=args.gpu_memory_utilization,
+                                    kv_cache_dtype=args.kv_cache_dtype,
                                     tensor_parallel_size=args.tensor_parallel_size), progress=False)
     print(f"[{args.label}] start-up {time.perf_counter() - t0:.1f} s")
     bound_ms = 1e3 * streamed_weight_bytes(engine.runner.params) / H200_COPY_BW

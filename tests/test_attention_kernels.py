@@ -112,8 +112,8 @@ MOSAIC_CONFIGS = [None, gpu_mosaic.MosaicConfig(64, 2, 3), gpu_mosaic.MosaicConf
                   gpu_mosaic.MosaicConfig(128, 2, 1, compute_warpgroups=2),
                   gpu_mosaic.MosaicConfig(64, 3, 1, block_q=8, compute_warpgroups=2),
                   gpu_mosaic.MosaicConfig(64, 2, 1, transposed=True),
-                  gpu_mosaic.MosaicConfig(64, 3, 3, transposed=True),
-                  gpu_mosaic.MosaicConfig(128, 2, 2, transposed=True)]
+                  gpu_mosaic.MosaicConfig(64, 3, 3, block_q=1, transposed=True),
+                  gpu_mosaic.MosaicConfig(128, 2, 2, block_q=1, transposed=True)]
 
 
 def _on_hopper():
@@ -173,7 +173,7 @@ def test_kernels_read_8bit_caches(name, impl, kv_dtype, clean_tpu_interpreter):
 @pytest.mark.parametrize("config", [None, gpu_mosaic.MosaicConfig(64, 2, 3), gpu_mosaic.MosaicConfig(128, 3, 1),
                                     gpu_mosaic.MosaicConfig(64, 2, 1),
                                     gpu_mosaic.MosaicConfig(64, 2, 1, transposed=True),
-                                    gpu_mosaic.MosaicConfig(128, 2, 3, transposed=True)],
+                                    gpu_mosaic.MosaicConfig(128, 2, 3, block_q=1, transposed=True)],
                          ids=["table", "64x2_split3", "128x3", "prefill_tile", "transposed", "transposed_128x2_split3"])
 @pytest.mark.parametrize("name,q_lens,kv_lens,options", MOSAIC_CASES, ids=[c[0] for c in MOSAIC_CASES])
 def test_mosaic_kernel_with_an_8bit_cache(name, q_lens, kv_lens, options, config):
@@ -253,19 +253,30 @@ def test_mosaic_config_warpgroups():
         config = gpu_mosaic.MosaicConfig(compute_warpgroups=2)
         rpa.ragged_paged_attention(*args, sm_scale=0.1, impl="gpu", config=config)
     # The table: decode buckets one warpgroup with one-token blocks, transposed; prompt-heavy buckets two
-    # compute warpgroups where head_dim allows.
+    # compute warpgroups where head_dim allows; the others one (an 8-bit cache's decode tokens transposed).
     decode = gpu_mosaic.tuned_config(64, 64, 8, 1024)
     assert (decode.compute_warpgroups, decode.block_q, decode.transposed) == (1, 1, True)
-    assert not gpu_mosaic.tuned_config(2048, 256, 8, 1024).transposed
+    mixed = gpu_mosaic.tuned_config(2048, 256, 8, 1024)
+    assert (mixed.compute_warpgroups, mixed.block_q, mixed.transposed) == (1, None, False)
+    mixed = gpu_mosaic.tuned_config(2048, 256, 8, 1024, fp8_cache=True)
+    assert (mixed.compute_warpgroups, mixed.block_q, mixed.transposed) == (1, None, True)
+    assert not gpu_mosaic.tuned_config(2048, 64, 8, 1024).transposed
     assert gpu_mosaic.tuned_config(2048, 64, 8, 1024).compute_warpgroups == 2
     assert gpu_mosaic.tuned_config(2048, 256, 8, 1024).compute_warpgroups == 1  # room for many decode rows
     assert gpu_mosaic.tuned_config(2048, 64, 8, 1024, head_dim=256).compute_warpgroups == 1
 
 
-@pytest.mark.parametrize("fields", [dict(block_q=4), dict(compute_warpgroups=2), dict(transposed=1)])
-def test_mosaic_config_transposed_needs_one_token_blocks_and_one_warpgroup(fields):
+@pytest.mark.parametrize("fields", [dict(compute_warpgroups=2), dict(transposed=1)])
+def test_mosaic_config_transposed_needs_one_warpgroup(fields):
     with pytest.raises(ValueError, match="`transposed`"):
         gpu_mosaic.MosaicConfig(**{"transposed": True, **fields})
+
+
+def test_mosaic_transposed_key_splits_need_one_token_blocks():
+    args = make_case(1, [1, 5], [20, 5], group=4, head_dim=128, page_size=16, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="`config` .* splits keys"):
+        gpu_mosaic.ragged_attention_mosaic(*args, sm_scale=0.1, config=gpu_mosaic.MosaicConfig(
+            64, 2, 2, transposed=True))
 
 
 def test_mosaic_config_on_unsupported_shapes_names_config():

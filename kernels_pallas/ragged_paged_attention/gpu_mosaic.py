@@ -62,9 +62,10 @@ class MosaicConfig:
     # 1: one warpgroup copies and computes; 2: two compute warpgroups share each K/V block, which a third
     # copies in (no key splits, head_dim <= 128).
     compute_warpgroups: int = 1
-    # One-token query blocks (decode) computed transposed: S^T = K Q^T with the block's keys as the
-    # wgmma's rows and the token's query heads as its columns (padded to a multiple of 8), then
-    # O^T += V^T P^T. Needs block_q 1 and one compute warpgroup.
+    # One-token query blocks computed transposed (`_kernel_t`): S^T = K Q^T with the block's keys as the
+    # wgmma's rows and the token's query heads as its columns, then O^T += V^T P^T. With block_q 1 every
+    # item is one token; with taller blocks, sequences of one query token (decodes) get one-token items
+    # and the others block_q-token blocks, in one launch (no key splits). One compute warpgroup.
     transposed: bool = False
 
     def __post_init__(self):
@@ -80,9 +81,9 @@ class MosaicConfig:
                              f"{self.num_kv_splits!r}")
         if not isinstance(self.transposed, bool):
             raise ValueError(f"MosaicConfig: `transposed` must be a bool, got {self.transposed!r}")
-        if self.transposed and (self.block_q not in (None, 1) or self.compute_warpgroups != 1):
-            raise ValueError("MosaicConfig: `transposed` needs one-token query blocks (block_q 1) and one compute "
-                             f"warpgroup, got block_q {self.block_q!r}, compute_warpgroups {self.compute_warpgroups!r}")
+        if self.transposed and self.compute_warpgroups != 1:
+            raise ValueError("MosaicConfig: `transposed` needs one compute warpgroup, got compute_warpgroups "
+                             f"{self.compute_warpgroups!r}")
         if self.compute_warpgroups == 2 and self.num_stages < 2:
             # (Only 2-3 slots were tested on a GPU; with one, K of the next block and V of this one share a
             # slot's turn and an idle warpgroup's early releases are unchecked.)
@@ -121,8 +122,13 @@ def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_l
         # step with 128 decode rows: 1.2 ms slower), so buckets with room for many decode rows stay on
         # one warpgroup. (With the engine's default 256 sequences no bucket qualifies: S >= T / 8.)
         # (8-bit caches: one warpgroup, which converts each block to f16.)
+        # With an 8-bit cache the decode tokens' items run transposed in the same launch as the query
+        # blocks: a mixed batch of 255 decodes and a 512-token chunk at 640 / 2048 tokens of context took
+        # 170 / 445 µs against 192 / 533 (H200, RESULTS.md session 10). With bf16 it was even (-5% to
+        # +2%): the launch's shared memory is the query blocks' (2 programs per SM, 3 for decode alone).
         two = head_dim <= 128 and num_tokens >= PROMPT_TOKENS_PER_SEQ * num_seqs_max and not fp8_cache
-        return MosaicConfig(block_kv, num_stages, 1, compute_warpgroups=2 if two else 1)
+        return MosaicConfig(block_kv, num_stages, 1, compute_warpgroups=2 if two else 1,
+                            transposed=fp8_cache and not two)
     # Decode rows are blocks of one token, computed transposed (keys as the wgmma's rows): a 64-row
     # block of one token's group wastes 60 of its rows.
     programs = num_tokens * num_kv_heads
@@ -570,7 +576,7 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     fp8_cache = is_fp8(kv_cache.dtype)
     config = config or tuned_config(num_tokens, num_seqs_max, num_kv_heads, pages_per_seq * page_size, head_dim,
                                     fp8_cache=fp8_cache)
-    block_q = 1 if config.transposed else config.block_q or max(1, ROWS // group)
+    block_q = config.block_q or max(1, ROWS // group)
     wgs = config.compute_warpgroups
     if (not supports(q.dtype, head_dim, group, page_size, config.block_kv, kv_dtype=kv_cache.dtype)
             or block_q * group > ROWS or (wgs == 2 and (head_dim > 128 or fp8_cache))):
@@ -580,10 +586,19 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
                          f"of page_size, and block_q x group <= {ROWS}; an 8-bit cache needs head_dim a multiple of "
                          f"128 and one compute warpgroup; got {q.dtype} (cache {kv_cache.dtype}), head_dim "
                          f"{head_dim}, group {group}, page_size {page_size}")
+    splits, stages, block_kv = config.num_kv_splits, config.num_stages, config.block_kv
+    if config.transposed and block_q > 1 and splits > 1:
+        raise ValueError(f"ragged_paged_attention: `config` {config} splits keys, which the transposed kernel "
+                         f"does only with one-token blocks (block_q 1)")
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     items = work_items(cu_q_lens, num_seqs, num_tokens, block_q * wgs)
+    num_long = items[0].shape[0]
+    if config.transposed and block_q > 1:  # sequences of one query token: one transposed item each
+        long = work_items(cu_q_lens, num_seqs, num_tokens, block_q, select="long")
+        short = work_items(cu_q_lens, num_seqs, num_tokens, 1, select="short", num_items=num_seqs_max)
+        num_long = long[0].shape[0]
+        items = tuple(jnp.concatenate(pair) for pair in zip(long, short))
     num_items = items[0].shape[0]
-    splits, stages, block_kv = config.num_kv_splits, config.num_stages, config.block_kv
     # One int32 array for all metadata: a fresh buffer (the kernel needs 256-byte aligned inputs, and
     # the engine's metadata are slices of one packed buffer).
     meta = jnp.concatenate([*items, kv_lens, cu_q_lens, page_indices.reshape(-1)])
@@ -591,6 +606,7 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
                   block_kv=block_kv, num_stages=stages, page_size=page_size, sm_scale=float(sm_scale),
                   soft_cap=None if soft_cap is None else float(soft_cap),
                   window=None if sliding_window is None else int(sliding_window))
+    static_t = {k: v for k, v in static.items() if k != "block_q"}
     params = plgpu.CompilerParams(approx_math=True)
     if wgs == 2:
         # Heads vary fastest and items run last first: the items with the most keys start first.
@@ -601,67 +617,97 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         )(meta, qg, kv_cache)
         return out.reshape(num_tokens, num_q_heads, head_dim)
 
-    if config.transposed:
-        return _launch_transposed(q, kv_cache, meta, static, params, splits=splits, group=group)
-    # Q lands untiled (a TMA copy per token of just the group's rows) and goes to registers as the
-    # wgmma's A; the result leaves through the same buffer (f32 results through their own).
-    scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype), _tiled((stages, block_kv, head_dim), kv_cache.dtype),
-               _tiled((stages, block_kv, head_dim), kv_cache.dtype)]
-    if splits == 1:
-        out_type = jax.ShapeDtypeStruct(qg.shape, q.dtype)
+    if config.transposed and block_q == 1:  # every item one token (decode buckets)
+        qs, per_slab = _transposed_q(q, num_kv_heads, kv_cache.dtype)
+        out_type, scratch = _transposed_scratch(qs, qg, kv_cache.dtype, splits, block_kv, stages, page_size)
+        res = plgpu.kernel(
+            functools.partial(_kernel_t, splits=splits, group=group, per_slab=per_slab, **static_t),
+            out_type=out_type, scratch_types=scratch, grid=(num_items, num_kv_heads, splits),
+            grid_names=("item", "head", "split"), compiler_params=params,
+        )(meta, qs, kv_cache)
+    elif config.transposed:  # prompt blocks, then the decode tokens' items transposed, in one launch
+        qs, per_slab = _transposed_q(q, num_kv_heads, kv_cache.dtype)
+        _, scratch_t = _transposed_scratch(qs, qg, kv_cache.dtype, 1, block_kv, stages, page_size)
+        out_type, scratch_1 = _block_scratch(qg, kv_cache.dtype, 1, block_q, block_kv, stages, page_size)
+        res = plgpu.kernel(
+            functools.partial(_kernel_mixed, num_long=num_long, scratch_1=scratch_1, scratch_t=scratch_t,
+                              kw_1=dict(splits=1, **static), kw_t=dict(splits=1, group=group, per_slab=per_slab,
+                                                                       **static_t)),
+            out_type=out_type, grid=(num_items, num_kv_heads, 1), grid_names=("item", "head", "split"),
+            compiler_params=params,
+        )(meta, qg, qs, kv_cache)
     else:
-        out_type = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
-                    jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
-        scratch += [plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
-    if fp8_cache:  # the block converted for the wgmma: K, V
-        scratch += [_tiled((block_kv, head_dim), jnp.float16)] * 2
-    scratch += [plgpu.Barrier(num_arrivals=block_q),
-                plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
-    res = plgpu.kernel(
-        functools.partial(_kernel, splits=splits, **static), out_type=out_type, scratch_types=scratch,
-        grid=(num_items, num_kv_heads, splits), grid_names=("item", "head", "split"), compiler_params=params,
-    )(meta, qg, kv_cache)
+        out_type, scratch = _block_scratch(qg, kv_cache.dtype, splits, block_q, block_kv, stages, page_size)
+        res = plgpu.kernel(
+            functools.partial(_kernel, splits=splits, **static), out_type=out_type, scratch_types=scratch,
+            grid=(num_items, num_kv_heads, splits), grid_names=("item", "head", "split"), compiler_params=params,
+        )(meta, qg, kv_cache)
     out = res if splits == 1 else _merge_splits(*res).astype(q.dtype)
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
 
-def _launch_transposed(q, kv_cache, meta, static, params, *, splits, group):
-    """The transposed kernel over one-token items. Q enters as slabs [T, slabs, cols, D], one bulk copy
-    into a tiled wgmma operand: `cols` consecutive query heads when that covers whole groups (group 4:
-    two kv heads' groups), else each group padded to `cols` rows. Results leave through an untiled
-    buffer of the slab's rows."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[1]
-    static = {k: v for k, v in static.items() if k != "block_q"}
-    cols = -(-group // 8) * 8  # wgmma N: a multiple of 8
-    out_dtype = q.dtype
-    if is_fp8(kv_cache.dtype):  # the block is multiplied in f16: Q saturated to its range
-        q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
-    mm_dtype = q.dtype
-    if cols % group == 0 and num_q_heads % cols == 0:
-        per_slab, q = cols // group, q.reshape(num_tokens, num_q_heads // cols, cols, head_dim)
-    else:
-        per_slab = 1
-        q = jnp.pad(q.reshape(num_tokens, num_kv_heads, group, head_dim), ((0, 0), (0, 0), (0, cols - group), (0, 0)))
-    stages, block_kv = static["num_stages"], static["block_kv"]
-    o_shape = (num_tokens, num_kv_heads, group, head_dim)
-    scratch = [_tiled((cols, head_dim), mm_dtype), _tiled((stages, block_kv, head_dim), kv_cache.dtype),
-               _tiled((stages, block_kv, head_dim), kv_cache.dtype), _tiled((cols, block_kv), mm_dtype)]
+def _kernel_mixed(meta_ref, q_ref, qs_ref, kv_ref, o_ref, *, num_long, scratch_1, scratch_t, kw_1, kw_t):
+    """Items [0, num_long) are query blocks (`_kernel`), the others one decode token each (`_kernel_t`);
+    each branch holds its own shared memory (the launch takes the larger)."""
+    item = lax.axis_index("item")
+    pl.when(item < num_long)(lambda: pl.run_scoped(
+        lambda *scratch: _kernel(meta_ref, q_ref, kv_ref, o_ref, *scratch, **kw_1), *scratch_1))
+    pl.when(item >= num_long)(lambda: pl.run_scoped(
+        lambda *scratch: _kernel_t(meta_ref, qs_ref, kv_ref, o_ref, *scratch, **kw_t), *scratch_t))
+
+
+def _block_scratch(qg, kv_dtype, splits, block_q, block_kv, stages, page_size):
+    """Output types and shared memory of `_kernel`. Q lands untiled (a TMA copy per token of just the
+    group's rows) and goes to registers as the wgmma's A; the result leaves through the same buffer
+    (f32 results through their own)."""
+    head_dim = qg.shape[-1]
+    scratch = [plgpu.SMEM((ROWS, head_dim), qg.dtype), _tiled((stages, block_kv, head_dim), kv_dtype),
+               _tiled((stages, block_kv, head_dim), kv_dtype)]
     if splits == 1:
-        out_type = jax.ShapeDtypeStruct(o_shape, out_dtype)
-        scratch += [plgpu.SMEM((cols, head_dim), out_dtype)]
+        out_type = jax.ShapeDtypeStruct(qg.shape, qg.dtype)
     else:
-        out_type = (jax.ShapeDtypeStruct((splits, *o_shape), jnp.float32),
-                    jax.ShapeDtypeStruct((splits, *o_shape[:-1]), jnp.float32))
+        out_type = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
+                    jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
+        scratch += [plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
+    if is_fp8(kv_dtype):  # the block converted for the wgmma: K, V
+        scratch += [_tiled((block_kv, head_dim), jnp.float16)] * 2
+    scratch += [plgpu.Barrier(num_arrivals=block_q),
+                plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
+    return out_type, scratch
+
+
+def _transposed_q(q, num_kv_heads, kv_dtype):
+    """Q for `_kernel_t` as slabs [T, slabs, cols, D], each one bulk copy into a tiled wgmma operand
+    (cols: the group rounded up to the wgmma's multiple of 8): `cols` consecutive query heads where
+    that covers whole groups (group 4: two kv heads'), else each group padded to `cols` rows. Returns
+    the slabs and the kv heads per slab. 8-bit caches: in f16, saturated to its range."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    cols = -(-group // 8) * 8
+    if is_fp8(kv_dtype):
+        q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
+    if cols % group == 0 and num_q_heads % cols == 0:
+        return q.reshape(num_tokens, num_q_heads // cols, cols, head_dim), cols // group
+    q = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    return jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0))), 1
+
+
+def _transposed_scratch(qs, qg, kv_dtype, splits, block_kv, stages, page_size):
+    """Output types and shared memory of `_kernel_t`: Q and P^T tiled (wgmma operands), the result
+    untiled (copied out by rows), V converted to the matmul's dtype when the cache is 8-bit."""
+    cols, head_dim = qs.shape[-2:]
+    mm_dtype = qs.dtype
+    scratch = [_tiled((cols, head_dim), mm_dtype), _tiled((stages, block_kv, head_dim), kv_dtype),
+               _tiled((stages, block_kv, head_dim), kv_dtype), _tiled((cols, block_kv), mm_dtype)]
+    if splits == 1:
+        out_type = jax.ShapeDtypeStruct(qg.shape, qg.dtype)
+        scratch += [plgpu.SMEM((cols, head_dim), qg.dtype)]
+    else:
+        out_type = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
+                    jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
         scratch += [plgpu.SMEM((cols, head_dim), jnp.float32), plgpu.SMEM((cols,), jnp.float32)]
-    if mm_dtype != kv_cache.dtype:  # V converted for the wgmma (K goes to registers)
+    if mm_dtype != kv_dtype:  # V converted for the wgmma (K goes to registers)
         scratch += [_tiled((block_kv, head_dim), mm_dtype)]
     scratch += [plgpu.Barrier(num_arrivals=1),
-                plgpu.Barrier(num_arrivals=2 * (block_kv // static["page_size"]), num_barriers=stages)]
-    res = plgpu.kernel(
-        functools.partial(_kernel_t, splits=splits, group=group, per_slab=per_slab, **static), out_type=out_type,
-        scratch_types=scratch, grid=(static["num_items"], num_kv_heads, splits), grid_names=("item", "head", "split"),
-        compiler_params=params,
-    )(meta, q, kv_cache)
-    out = res if splits == 1 else _merge_splits(*res).astype(out_dtype)
-    return out.reshape(num_tokens, num_q_heads, head_dim)
+                plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
+    return out_type, scratch
