@@ -159,15 +159,24 @@ class _Item:
         self.blk_b = jnp.clip(jnp.minimum(self.pos + 1, self.kv_hi) // block_kv, self.blk_a, self.blk_hi)
 
 
-def _copy_pages(meta_ref, kv_ref, it, h, b, dsts, *, pages_at, pages_per_seq, page_size):
+def _page_ids(meta_ref, it, b, *, pages_at, pages_per_seq, pages_per_block):
+    """The cache pages of key block b: scalar loads from global memory (issue them well before the
+    copies that use them)."""
+    return [meta_ref[pages_at + it.seq * pages_per_seq + jnp.minimum(b * pages_per_block + j, pages_per_seq - 1)]
+            for j in range(pages_per_block)]
+
+
+def _copy_pages(meta_ref, kv_ref, it, h, b, dsts, *, pages_at, pages_per_seq, page_size, pages=None):
     """Start the bulk copies of key block b's pages: for each page, one copy per `(which, dst, bar)`
     in `dsts` (which: 0 = K, 1 = V), counted on `bar`. Each page's index is read once for all of them
-    (a scalar load from global memory on the issuing thread's path)."""
+    (`pages`, else loaded here: a scalar load from global memory on the issuing thread's path)."""
     num_pages = kv_ref.shape[2]
     block_kv = dsts[0][1].shape[0]
+    if pages is None:
+        pages = _page_ids(meta_ref, it, b, pages_at=pages_at, pages_per_seq=pages_per_seq,
+                          pages_per_block=block_kv // page_size)
     for j in range(block_kv // page_size):
-        idx = jnp.minimum(b * (block_kv // page_size) + j, pages_per_seq - 1)
-        page = jnp.clip(meta_ref[pages_at + it.seq * pages_per_seq + idx], 0, num_pages - 1)
+        page = jnp.clip(pages[j], 0, num_pages - 1)
         for which, dst, bar in dsts:
             plgpu.copy_gmem_to_smem(kv_ref.at[which, h, page], dst.at[pl.ds(j * page_size, page_size)], bar)
 
@@ -348,22 +357,28 @@ def _kernel_t(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per
     refs = list(refs)
     convert = kv_ref.dtype != q_ref.dtype
     q_bar, kv_bars = refs[-2:]
-    vc_smem = refs[-3] if convert else None
-    refs = refs[:-3] if convert else refs[:-2]
+    refs = refs[:-2]
     if splits == 1:
-        (o_ref, q_smem, k_smem, v_smem, p_smem, o_smem), lse_ref, lse_smem = refs, None, None
+        (o_ref, q_smem, *slots, p_smem, o_smem), lse_ref, lse_smem = refs, None, None
     else:
-        o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem = refs
+        o_ref, lse_ref, q_smem, *slots, p_smem, o_smem, lse_smem = refs
+    if convert:  # one union: each stage's 8-bit K and V, or that stage's V in f16
+        (kv8, vc), = slots
+        k_at, v_at = (lambda slot: kv8.at[slot, 0]), (lambda slot: kv8.at[slot, 1])
+    else:
+        k_smem, v_smem = slots
+        k_at, v_at = (lambda slot: k_smem.at[slot]), (lambda slot: v_smem.at[slot])
     h = lax.axis_index("head")
     split = lax.axis_index("split")
     it = _Item(meta_ref, lax.axis_index("item"), split, num_items=num_items,
                num_seqs_max=num_seqs_max, block_kv=block_kv, splits=splits, window=window)
     cols, head_dim = q_smem.shape
-    copy = functools.partial(_copy_pages, meta_ref, kv_ref, it=it, h=h, pages_at=3 * num_items + 2 * num_seqs_max + 1,
+    pages_at = 3 * num_items + 2 * num_seqs_max + 1
+    copy = functools.partial(_copy_pages, meta_ref, kv_ref, it=it, h=h, pages_at=pages_at,
                              pages_per_seq=pages_per_seq, page_size=page_size)
 
-    def issue(b, slot):
-        copy(b=b, dsts=((0, k_smem.at[slot], kv_bars.at[slot]), (1, v_smem.at[slot], kv_bars.at[slot])))
+    def issue(b, slot, pages=None):
+        copy(b=b, dsts=((0, k_at(slot), kv_bars.at[slot]), (1, v_at(slot), kv_bars.at[slot])), pages=pages)
 
     @pl.when(it.n_tok > 0)
     def _():
@@ -375,18 +390,18 @@ def _kernel_t(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per
         def step(b, carry, masked):
             acc, m, run_sum = carry
             slot = lax.rem(b - it.blk_lo, num_stages)
+            # The refill's page ids, loaded while this block's copies land.
+            pages = _page_ids(meta_ref, it, b + num_stages, pages_at=pages_at, pages_per_seq=pages_per_seq,
+                              pages_per_block=block_kv // page_size)
             plgpu.barrier_wait(kv_bars.at[slot])
-
-            def refill():
-                pl.when(b + num_stages < it.blk_hi)(functools.partial(issue, b + num_stages, slot))
-
-            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
-            if convert:  # K into registers (the wgmma's A), V into a tile of its own; then the refill
+            k_tile, v_tile = k_at(slot), v_at(slot)
+            if convert:  # K into registers (the wgmma's A); V in f16 over the stage's 8-bit K and V
                 k_tile = plgpu.layout_cast(_upcast(k_tile), plgpu.Layout.WGMMA)
-                vc_smem[...] = _upcast(v_tile)
+                v_f16 = _upcast(v_tile)
+                plgpu.commit_smem()  # every thread's reads of the stage are done
+                v_tile = vc.at[slot]
+                v_tile[...] = v_f16
                 plgpu.commit_smem()
-                refill()
-                v_tile = vc_smem
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
@@ -409,8 +424,7 @@ def _kernel_t(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per
                 plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            if not convert:
-                refill()
+            pl.when(b + num_stages < it.blk_hi)(functools.partial(issue, b + num_stages, slot, pages))
             return acc, m_new, run_sum
 
         carry = (plgpu.layout_cast(jnp.zeros((head_dim, cols), jnp.float32), plgpu.Layout.WGMMA),
@@ -697,8 +711,12 @@ def _transposed_scratch(qs, qg, kv_dtype, splits, block_kv, stages, page_size):
     untiled (copied out by rows), V converted to the matmul's dtype when the cache is 8-bit."""
     cols, head_dim = qs.shape[-2:]
     mm_dtype = qs.dtype
-    scratch = [_tiled((cols, head_dim), mm_dtype), _tiled((stages, block_kv, head_dim), kv_dtype),
-               _tiled((stages, block_kv, head_dim), kv_dtype), _tiled((cols, block_kv), mm_dtype)]
+    if mm_dtype == kv_dtype:
+        slots = [_tiled((stages, block_kv, head_dim), kv_dtype)] * 2  # K, V
+    else:  # 8-bit K and V of a stage, or its V converted for the wgmma (K goes to registers)
+        slots = [plgpu.RefUnion(_tiled((stages, 2, block_kv, head_dim), kv_dtype),
+                                _tiled((stages, block_kv, head_dim), mm_dtype))]
+    scratch = [_tiled((cols, head_dim), mm_dtype), *slots, _tiled((cols, block_kv), mm_dtype)]
     if splits == 1:
         out_type = jax.ShapeDtypeStruct(qg.shape, qg.dtype)
         scratch += [plgpu.SMEM((cols, head_dim), qg.dtype)]
@@ -706,8 +724,6 @@ def _transposed_scratch(qs, qg, kv_dtype, splits, block_kv, stages, page_size):
         out_type = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
                     jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
         scratch += [plgpu.SMEM((cols, head_dim), jnp.float32), plgpu.SMEM((cols,), jnp.float32)]
-    if mm_dtype != kv_dtype:  # V converted for the wgmma (K goes to registers)
-        scratch += [_tiled((block_kv, head_dim), mm_dtype)]
     scratch += [plgpu.Barrier(num_arrivals=1),
                 plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
     return out_type, scratch
