@@ -3,29 +3,38 @@
 Rows. A query block is up to `block_q` consecutive tokens of one sequence (`gpu.work_items`), and its
 rows are those tokens' `group` query heads, token-major: `block_q * group` rows fill the 64-row wgmma
 tile (the instruction's minimum height; block_q = 64 // group by default). A decode row is a block of
-one token (its other rows are never stored); a prompt chunk is cut into blocks, each row with its own
-causal limit.
+one token (in layout 1 its other rows are never stored; the table runs such blocks transposed, below);
+a prompt chunk is cut into blocks, each row with its own causal limit.
 
-Two program layouts (`MosaicConfig.compute_warpgroups`):
-- 1 (decode buckets, and buckets with room for many decode rows): one program (CTA, one warpgroup)
+Program layouts:
+- 1 (`compute_warpgroups=1`, buckets with room for many decode rows): one program (CTA, one warpgroup)
   per (query block, kv head, key split). It issues one bulk copy per page for K and for V
   (`block_kv / page_size` of each, counted on the block's barrier) into a ring of `num_stages`
   shared-memory slots, computes S = Q K^T on the tensor cores, an online softmax in f32 registers,
   then acc += P V with P from registers, and refills a slot once its block's second wgmma has
   completed. Key splits (small batches) write f32 partial results and base-2 log-sum-exps that
   `gpu._merge_splits` combines, like the Triton kernel's.
-- 2 (buckets of mostly prompt tokens, see `tuned_config`): one program per (two query blocks, kv
-  head) with three warpgroups: a copier that fills the slots (K and V on their own barriers) and
-  refills one when both compute warpgroups have released it, and two compute warpgroups, one query
-  block each, that take turns on the tensor cores: a shared barrier keeps them half a step apart, so
-  one's softmax runs while the other's matmuls do. Each K/V block read from L2 feeds twice the rows.
-  A warpgroup without tokens (a decode row's block) only keeps the barriers' counts.
+- Transposed (`transposed=True`: decode buckets, and an 8-bit cache's decode rows in mixed buckets):
+  a one-token block would fill 4 of the 64-row tile's rows (GQA group 4), so `_kernel_t` turns the
+  matmuls around: S^T = K Q^T with the block's keys as the tile's rows and the token's query heads as
+  its columns (8: a slab of Q rows), a softmax down the columns, P^T to shared memory, then
+  O^T += V^T P^T. Its matmul and softmax work per key block is an eighth of layout 1's. In a mixed
+  bucket the decode rows' items and the query blocks share one launch (`_kernel_mixed`).
+- 2 (`compute_warpgroups=2`, buckets of mostly prompt tokens, see `tuned_config`): one program per
+  (two query blocks, kv head) with three warpgroups: a copier that fills the slots (K and V on their
+  own barriers) and refills one when both compute warpgroups have released it, and two compute
+  warpgroups, one query block each, that take turns on the tensor cores: a shared barrier keeps them
+  half a step apart, so one's softmax runs while the other's matmuls do. Each K/V block read from L2
+  feeds twice the rows. A warpgroup without tokens (a decode row's block) only keeps the barriers'
+  counts.
 
-8-bit caches (`kv_cache_dtype="fp8"`): layout 1 only. Each block's pages land as e4m3/e5m2, are
-converted to f16 into two more shared-memory tiles (the slot is refilled at once), and the block is
-multiplied in f16 (Q saturated to f16's range, P in f16). On an H200 this is no faster than bf16 at
-decode (RESULTS.md, session 9): the decode programs are bound by their compute (a 64-row wgmma tile
-holding 4 real rows), not by the bytes they read.
+8-bit caches (`kv_cache_dtype="fp8"`): one warpgroup. Blocks are multiplied in f16 (8-bit floats
+convert to f16 in one instruction, to bf16 only through f32), Q saturated to f16's range. Layout 1
+converts each block into two more f16 tiles and refills the slot at once. The transposed kernel takes
+K into registers (the wgmma's A operand) and writes V in f16 over the stage's own 8-bit K and V (a
+`RefUnion`): 40 KB of shared memory, five programs per SM. On an H200 (RESULTS.md, session 10) a
+B=256 decode at 640 tokens takes 117 µs with e4m3 against 177 with bf16; layout 1 took 183 with
+either, bound by its 64-row tiles' compute rather than by the bytes it read.
 
 Keys no row of the block may see (past the last token's causal limit, before a sliding window's start
 for the first token) get their V rows zeroed in shared memory, since slots past a sequence's length
