@@ -209,7 +209,7 @@ def config_name(cfg):
     if isinstance(cfg, gpu_mosaic.MosaicConfig):
         if cfg.transposed:
             return f"mt:{cfg.block_kv},{cfg.num_stages},{cfg.num_kv_splits}"
-        return "m:" + ",".join(str(v) for k, v in vars(cfg).items() if v is not None and k != "transposed")
+        return "m:" + ",".join("" if v is None else str(v) for k, v in vars(cfg).items() if k != "transposed")
     return ",".join(str(v) for v in vars(cfg).values())
 
 

@@ -176,6 +176,17 @@ def test_kernels_bench_times_net_of_program_cost(tmp_path):
             kernels.main(["--impl", "reference", "--mode", "decode", "--batch", "8", "--ctx", "64", "--timer", "cupti"])
 
 
+@pytest.mark.parametrize("text", ["mt:64,2,4", "m:128,3,1,1,1", "m:64,2,1,,2", "4,32,1,4,1"])
+def test_kernels_bench_config_names_round_trip(text):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import kernels
+
+    config = kernels.parse_config(text)
+    assert kernels.parse_config(kernels.config_name(config)) == config
+    assert kernels.parse_config("mt:64,2,4").transposed and not kernels.parse_config("m:64,2,4").transposed
+
+
 def test_serving_fails_loudly_when_no_request_succeeds(tmp_path):
     import socket
 

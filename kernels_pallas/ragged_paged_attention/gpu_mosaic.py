@@ -118,8 +118,9 @@ def supports(q_dtype, head_dim: int, group: int, page_size: int, block_kv: int =
 
 def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_len: int,
                  head_dim: int = 128, fp8_cache: bool = False) -> MosaicConfig:
-    """Decode buckets: one-token query blocks, and key splits so that small batches still cover the GPU
-    (programs = tokens x kv heads x splits); other buckets have enough query blocks without splitting.
+    """Decode buckets: one-token query blocks, transposed, and key splits so that small batches still
+    cover the GPU (programs = tokens x kv heads x splits); other buckets have enough query blocks
+    without splitting.
 
     The split count counts a decode bucket's padding tokens too; counting only its sequences (twice
     the splits at batch 1-8) made the 8B decode step 0.09-0.10 ms slower on an H200 (RESULTS.md)."""
@@ -130,16 +131,16 @@ def tuned_config(num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_kv_l
         # RESULTS.md session 8). A decode row's block leaves one of them idle and takes a whole SM (a
         # step with 128 decode rows: 1.2 ms slower), so buckets with room for many decode rows stay on
         # one warpgroup. (With the engine's default 256 sequences no bucket qualifies: S >= T / 8.)
-        # (8-bit caches: one warpgroup, which converts each block to f16.)
-        # With an 8-bit cache the decode tokens' items run transposed in the same launch as the query
-        # blocks: a mixed batch of 255 decodes and a 512-token chunk at 640 / 2048 tokens of context took
-        # 170 / 445 µs against 192 / 533 (H200, RESULTS.md session 10). With bf16 it was even (-5% to
-        # +2%): the launch's shared memory is the query blocks' (2 programs per SM, 3 for decode alone).
+        # 8-bit caches: one warpgroup, which converts each block to f16, and the decode tokens' items
+        # transposed in the same launch: a mixed batch of 255 decodes and a 512-token chunk at 640 / 2048
+        # tokens of context took 170 / 445 µs against 192 / 533 (H200, RESULTS.md session 10). With bf16
+        # that was no faster (1.5% faster to 5.6% slower): the launch's shared memory is the query
+        # blocks' (2 programs per SM, against 3 for decode alone).
         two = head_dim <= 128 and num_tokens >= PROMPT_TOKENS_PER_SEQ * num_seqs_max and not fp8_cache
-        return MosaicConfig(block_kv, num_stages, 1, compute_warpgroups=2 if two else 1,
-                            transposed=fp8_cache and not two)
-    # Decode rows are blocks of one token, computed transposed (keys as the wgmma's rows): a 64-row
-    # block of one token's group wastes 60 of its rows.
+        return MosaicConfig(block_kv, num_stages, 1, compute_warpgroups=2 if two else 1, transposed=fp8_cache)
+    # Decode rows are blocks of one token, computed transposed (keys as the wgmma's rows): in layout 1
+    # a one-token block fills 4 of the tile's 64 rows (B=256 at 640 tokens: 176.9 µs against 186.3 with
+    # bf16, 116.8 against 178.6 with e4m3; RESULTS.md session 10).
     programs = num_tokens * num_kv_heads
     splits = max(1, min(16, (2 * NUM_SMS) // max(programs, 1), max_kv_len // (4 * block_kv)))
     return MosaicConfig(block_kv, num_stages, 1 << (splits.bit_length() - 1), block_q=1, transposed=True)
