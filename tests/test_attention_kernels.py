@@ -328,6 +328,10 @@ def test_tpu_work_items_list_every_sequence_of_each_block_in_order():
 
 
 def test_default_impl_on_cpu_is_the_reference():
+    import jax
+
+    if jax.default_backend() != "cpu":  # elsewhere the default is a kernel, equal only to a tolerance
+        pytest.skip("the default implementation is the reference only on the CPU")
     args = make_case(3, [2], [5], group=2, head_dim=64, page_size=16, dtype=jnp.float32)
     out = rpa.ragged_paged_attention(*args, sm_scale=0.125)
     np.testing.assert_array_equal(out, reference.ragged_paged_attention(*args, sm_scale=0.125))
