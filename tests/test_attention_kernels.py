@@ -317,6 +317,27 @@ def test_gpu_mixed_launches_split_short_and_long_sequences():
     assert long_rows == {(1, 5, 1), (5, 9, 1), (10, 12, -1)}
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_mosaic_mixed_items_cover_every_token_once_with_decodes_last(seed):
+    rng = np.random.default_rng(seed)
+    slots = int(rng.integers(1, 9))
+    q_lens = [int(x) for x in rng.choice([0, 1, 1, 2, 5, 17, 40], size=slots)]
+    n = int(rng.integers(0, slots + 1))  # rows past num_seqs are unused
+    cu = np.concatenate([[0], np.cumsum([q if i < n else 0 for i, q in enumerate(q_lens)])]).astype(np.int32)
+    num_tokens = int(cu[-1]) + int(rng.integers(0, 5))  # padding tokens after the real ones
+    (seq, start, end), num_long = gpu_mosaic.mixed_items(jnp.asarray(cu), jnp.asarray([n], jnp.int32),
+                                                         max(num_tokens, 1), 16)
+    seq, start, end = (np.asarray(x) for x in (seq, start, end))
+    covered = np.zeros(max(num_tokens, 1), int)
+    for i, (s_, a, b) in enumerate(zip(seq, start, end)):
+        covered[a:b] += 1
+        if a < b and s_ >= 0:
+            assert cu[s_] <= a and b <= cu[s_ + 1] and b - a <= 16
+            one_token = cu[s_ + 1] - cu[s_] == 1
+            assert one_token == (i >= num_long)  # decodes come after every query block
+    np.testing.assert_array_equal(covered[:num_tokens], 1)
+
+
 def test_tpu_work_items_list_every_sequence_of_each_block_in_order():
     cu = jnp.asarray([0, 3, 3, 12, 12], jnp.int32)
     blk, seq = (np.asarray(x) for x in tpu.work_items(cu, jnp.asarray([3], jnp.int32), num_blocks=3,

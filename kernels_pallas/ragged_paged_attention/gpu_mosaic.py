@@ -615,13 +615,10 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         raise ValueError(f"ragged_paged_attention: `config` {config} splits keys, which the transposed kernel "
                          f"does only with one-token blocks (block_q 1)")
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    items = work_items(cu_q_lens, num_seqs, num_tokens, block_q * wgs)
-    num_long = items[0].shape[0]
-    if config.transposed and block_q > 1:  # sequences of one query token: one transposed item each
-        long = work_items(cu_q_lens, num_seqs, num_tokens, block_q, select="long")
-        short = work_items(cu_q_lens, num_seqs, num_tokens, 1, select="short", num_items=num_seqs_max)
-        num_long = long[0].shape[0]
-        items = tuple(jnp.concatenate(pair) for pair in zip(long, short))
+    if config.transposed and block_q > 1:
+        items, num_long = mixed_items(cu_q_lens, num_seqs, num_tokens, block_q)
+    else:
+        items = work_items(cu_q_lens, num_seqs, num_tokens, block_q * wgs)
     num_items = items[0].shape[0]
     # One int32 array for all metadata: a fresh buffer (the kernel needs 256-byte aligned inputs, and
     # the engine's metadata are slices of one packed buffer).
@@ -668,6 +665,15 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         )(meta, qg, kv_cache)
     out = res if splits == 1 else _merge_splits(*res).astype(q.dtype)
     return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def mixed_items(cu_q_lens, num_seqs, num_tokens: int, block_q: int):
+    """`_kernel_mixed`'s work items `(seq, q_start, q_end)` and how many of them come first as query
+    blocks: block_q-token blocks of the sequences with more than one query token (and the padding
+    segment), then one item per sequence row for the sequences of one query token (decodes)."""
+    long = work_items(cu_q_lens, num_seqs, num_tokens, block_q, select="long")
+    short = work_items(cu_q_lens, num_seqs, num_tokens, 1, select="short", num_items=cu_q_lens.shape[0] - 1)
+    return tuple(jnp.concatenate(pair) for pair in zip(long, short)), long[0].shape[0]
 
 
 def _kernel_mixed(meta_ref, q_ref, qs_ref, kv_ref, o_ref, *, num_long, scratch_1, scratch_t, kw_1, kw_t):
