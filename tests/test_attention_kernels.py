@@ -216,6 +216,21 @@ def test_mosaic_kernel_lowers_for_groups_of_eight():
     assert "mosaic_gpu" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("group,head_dim,kv_dtype,block_q", [
+    (8, 64, None, 1), (12, 128, None, 1), (16, 256, None, 1), (8, 128, jnp.float8_e5m2, 1),
+    (12, 128, jnp.float8_e4m3fn, None), (4, 256, None, None)])
+def test_transposed_kernel_lowers_for_other_groups_and_head_sizes(group, head_dim, kv_dtype, block_q):
+    """Groups that fill the 8 columns (8), need padding (12) or more columns (16); block_q None: the mixed
+    launch. (The GPU tests run group 4, head_dim 128.)"""
+    import jax
+
+    args = make_case(5, [1, 1, 6], [40, 130, 6], group=group, head_dim=head_dim, page_size=16, dtype=jnp.bfloat16,
+                     kv_dtype=kv_dtype)
+    config = gpu_mosaic.MosaicConfig(64, 2, 1, block_q=block_q, transposed=True)
+    kernel = jax.jit(lambda *a: gpu_mosaic.ragged_attention_mosaic(*a, sm_scale=0.1, soft_cap=20.0, config=config))
+    assert "mosaic_gpu" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_table_picks_the_mosaic_kernel_on_hopper_where_it_supports_the_shapes(monkeypatch):
     monkeypatch.setattr(gpu_mosaic, "on_hopper", lambda: True)
     decode = make_case(1, [1, 1, 1], [20, 5, 40], group=4, head_dim=128, page_size=16, dtype=jnp.bfloat16)
