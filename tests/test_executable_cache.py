@@ -84,7 +84,9 @@ def test_corrupt_entry_is_compiled_again_and_rewritten(cold, tmp_path):
 def _fresh(fn):
     """`fn` plus a constant no earlier run compiled, so that JAX's own persistent cache (enabled in this
     process by any engine test that ran before) cannot serve it: only a real compile can be stored."""
-    salt = np.float32(uuid.uuid4().int % 1000 + 1) / np.float32(1e6)
+    # One of 2^20 constants (under 1e-3): with only 1000, a machine that keeps JAX's cache between runs
+    # (a developer's) met an earlier run's constant within a few dozen runs and the store was skipped.
+    salt = np.float32((uuid.uuid4().int % (1 << 20) + 1) / (1 << 30))
     return lambda x, *rest: fn(x + salt, *rest)
 
 
