@@ -33,8 +33,8 @@ convert to f16 in one instruction, to bf16 only through f32), Q saturated to f16
 converts each block into two more f16 tiles and refills the slot at once. The transposed kernel takes
 K into registers (the wgmma's A operand) and writes V in f16 over the stage's own 8-bit K and V (a
 `RefUnion`): 40 KB of shared memory, five programs per SM. On an H200 (RESULTS.md, session 10) a
-B=256 decode at 640 tokens takes 117 µs with e4m3 against 177 with bf16; layout 1 took 183 with
-either, bound by its 64-row tiles' compute rather than by the bytes it read.
+B=256 decode at 640 tokens takes 117 µs with e4m3 against 177 with bf16; layout 1 took 186 with bf16
+(near the bytes' bound already) and 179 with e4m3, held back by its conversions and their shared memory.
 
 Keys no row of the block may see (past the last token's causal limit, before a sliding window's start
 for the first token) get their V rows zeroed in shared memory, since slots past a sequence's length
