@@ -151,7 +151,7 @@ CHAT_MIN_LEN, CHAT_MAX_OUTPUT = 4, 1024
 
 def engine_args(args, **overrides) -> dict:
     """LLM keyword arguments from the common flags, `overrides` winning (None values dropped)."""
-    kw = dict(dtype=args.dtype, kv_cache_dtype=getattr(args, "kv_cache_dtype", None), load_format=args.load_format,
+    kw = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format,
               max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               token_buckets=tuple(args.token_buckets) if args.token_buckets else None,

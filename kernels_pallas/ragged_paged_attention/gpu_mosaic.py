@@ -246,14 +246,16 @@ def _key_loops(step, it, carry, window):
     return lax.fori_loop(it.blk_b, it.blk_hi, functools.partial(step, masked=True), carry)
 
 
-def _normalise(acc, denom):
+def _normalise(acc, denom, dim=0):
+    """acc over its running sums (`denom`, along acc's dimension `dim`; a row with no keys stays 0)."""
     safe = jnp.where(denom == 0.0, 1.0, denom)
-    return acc / lax.broadcast_in_dim(safe, acc.shape, [0]), safe
+    return acc / lax.broadcast_in_dim(safe, acc.shape, [dim]), safe
 
 
-# 8-bit caches: each block is converted to f16 in shared memory and multiplied in f16 (with Q and P in
-# f16): 8-bit floats convert to f16 in one instruction (to bf16 only through f32 with this ptxas), and
-# this load layout was the fastest of WGMMA, WGMMA_8BIT and WGMMA_UPCAST_2X on an H200 (RESULTS.md).
+# 8-bit caches: blocks are converted to f16 (in shared memory, or K into registers in the transposed
+# kernel) and multiplied in f16 (with Q and P in f16): 8-bit floats convert to f16 in one instruction (to
+# bf16 only through f32 with this ptxas), and this load layout was the fastest of WGMMA, WGMMA_8BIT and
+# WGMMA_UPCAST_2X on an H200 (RESULTS.md, session 9).
 FP8_LOAD_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
 F16_MAX = float(jnp.finfo(jnp.float16).max)
 
@@ -442,9 +444,8 @@ def _kernel_t(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per
                  plgpu.layout_cast(jnp.zeros((block_kv, cols), jnp.float32), plgpu.Layout.WGMMA))
         acc, m, run_sum = _key_loops(step, it, carry, window)
         denom = run_sum.sum(axis=0)
-        safe = jnp.where(denom == 0.0, 1.0, denom)
-        out = (acc / lax.broadcast_in_dim(safe, acc.shape, [1])).astype(o_smem.dtype)
-        o_smem.transpose((1, 0))[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+        out, safe = _normalise(acc, denom, dim=1)
+        o_smem.transpose((1, 0))[...] = plgpu.layout_cast(out.astype(o_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
         rows = pl.ds(lax.rem(h, per_slab) * group, group)
         if splits == 1:
             plgpu.commit_smem()
@@ -693,17 +694,22 @@ def _block_scratch(qg, kv_dtype, splits, block_q, block_kv, stages, page_size):
     head_dim = qg.shape[-1]
     scratch = [plgpu.SMEM((ROWS, head_dim), qg.dtype), _tiled((stages, block_kv, head_dim), kv_dtype),
                _tiled((stages, block_kv, head_dim), kv_dtype)]
-    if splits == 1:
-        out_type = jax.ShapeDtypeStruct(qg.shape, qg.dtype)
-    else:
-        out_type = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
-                    jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
+    if splits > 1:
         scratch += [plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
     if is_fp8(kv_dtype):  # the block converted for the wgmma: K, V
         scratch += [_tiled((block_kv, head_dim), jnp.float16)] * 2
     scratch += [plgpu.Barrier(num_arrivals=block_q),
                 plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
-    return out_type, scratch
+    return _out_type(qg, splits), scratch
+
+
+def _out_type(qg, splits):
+    """The launch's results: `[T, Hkv, G, D]` in q's dtype, or with key splits f32 partial results
+    `[splits, T, Hkv, G, D]` and their base-2 log-sum-exps `[splits, T, Hkv, G]` (`gpu._merge_splits`)."""
+    if splits == 1:
+        return jax.ShapeDtypeStruct(qg.shape, qg.dtype)
+    return (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
+            jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
 
 
 def _transposed_q(q, num_kv_heads, kv_dtype):
@@ -734,12 +740,9 @@ def _transposed_scratch(qs, qg, kv_dtype, splits, block_kv, stages, page_size):
                                 _tiled((stages, block_kv, head_dim), mm_dtype))]
     scratch = [_tiled((cols, head_dim), mm_dtype), *slots, _tiled((cols, block_kv), mm_dtype)]
     if splits == 1:
-        out_type = jax.ShapeDtypeStruct(qg.shape, qg.dtype)
         scratch += [plgpu.SMEM((cols, head_dim), qg.dtype)]
     else:
-        out_type = (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
-                    jax.ShapeDtypeStruct((splits, *qg.shape[:-1]), jnp.float32))
         scratch += [plgpu.SMEM((cols, head_dim), jnp.float32), plgpu.SMEM((cols,), jnp.float32)]
     scratch += [plgpu.Barrier(num_arrivals=1),
                 plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
-    return out_type, scratch
+    return _out_type(qg, splits), scratch
