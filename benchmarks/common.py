@@ -99,13 +99,14 @@ def positive_int(text: str) -> int:
     return value
 
 
-def bench(fn, args, calls, reps=5, rests=None):
+def bench(fn, args, calls, reps=5, rests=None, compiler_options=None):
     """Median µs per call of `fn(q, *rest)`, net of a program's fixed cost.
 
     Programs holding `calls` and `2 * calls` calls on distinct copies of q (so XLA cannot merge them)
     are timed, and the difference is divided by the `calls` extra calls. Dividing one program's time
     by its calls instead spreads the program's launch and synchronisation (~1 ms) over them, which
     made short decode kernels look twice as slow as in the engine's trace (RESULTS.md, session 4).
+    `compiler_options`: XLA options for the timed programs (as `jax.jit` takes them).
     `rests`: alternatives for `args[1:]` that successive calls cycle through (e.g. copies of a cache
     or weight larger together than L2, so that calls do not read what the previous one left there).
     """
@@ -114,7 +115,8 @@ def bench(fn, args, calls, reps=5, rests=None):
 
     def seconds(n):
         qs = [(q.astype(jnp.float32) * (1.0 + 1e-3 * i)).astype(q.dtype) for i in range(n)]
-        many = jax.jit(lambda qs, rests: [fn(x, *rests[i % len(rests)]) for i, x in enumerate(qs)])
+        many = jax.jit(lambda qs, rests: [fn(x, *rests[i % len(rests)]) for i, x in enumerate(qs)],
+                       compiler_options=compiler_options)
         jax.block_until_ready(many(qs, rests))
         times = []
         for _ in range(reps):

@@ -20,8 +20,24 @@ import jax.numpy as jnp
 from common import H200_BF16_FLOPS, bench, model_shape, positive_int, write_json
 from kernels import cupti_us, rotated
 
-# tile_m, tile_n, tile_k, stages; a tiling runs where tile_m divides the rows (the kernel's requirement)
-PALLAS_TILES = list(itertools.product((64, 128, 256), (128, 256), (64,), (4,)))
+from jengine.kernels_pallas import swiglu_matmul
+
+CUBLAS = {"xla_gpu_enable_triton_gemm": False}  # what the engine compiles buckets of >= 64 tokens with
+CUBLASLT = {**CUBLAS, "xla_gpu_enable_cublaslt": True}
+
+
+SWIGLU_CONFIGS = [swiglu_matmul.SwigluConfig(), swiglu_matmul.SwigluConfig(stages=3),
+                  swiglu_matmul.SwigluConfig(snake=4), swiglu_matmul.SwigluConfig(tile_m=128, tile_n=64)]
+
+
+def pallas_tiles(m: int) -> list[dict]:
+    """TuningConfig fields to try at `m` rows: per-warpgroup tiles whose f32 accumulator fits the registers,
+    the two warpgroups side by side in N or M, and (from 1024 rows) the order the persistent programs walk
+    the output tiles in (grid_minor_dim, grid_tile_width: which tiles share operands in L2)."""
+    tiles = [(128, 128, "N"), (64, 256, "M"), (128, 64, "N"), (128, 128, "M"), (64, 128, "M")]
+    orders = [("N", 1), ("M", 1), ("N", 8), ("M", 8)] if m >= 1024 else [("N", 1)]
+    return [dict(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=4, wg_dimension=wg, grid_minor_dim=g,
+                 grid_tile_width=w) for (tm, tn, wg), (g, w) in itertools.product(tiles, orders)]
 
 
 def projections(model: str) -> dict[str, tuple[int, int]]:
@@ -32,15 +48,21 @@ def projections(model: str) -> dict[str, tuple[int, int]]:
             "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
 
 
-def pallas_matmul(tile):
-    """JAX's Hopper matmul with one tiling, or None where this JAX lacks it."""
+def pallas_matmul(tile: dict):
+    """JAX's Hopper matmul with one tiling (`pallas_tiles`), or None where this JAX lacks it, or the shape
+    does not divide into its tiles."""
     try:
         from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
     except ImportError:
         return None
-    tile_m, tile_n, tile_k, stages = tile
-    config = hm.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=stages)
+    dims = {k: hm.MatmulDimension[v] for k, v in tile.items() if k in ("wg_dimension", "grid_minor_dim")}
+    config = hm.TuningConfig(**{**tile, **dims})
     return lambda x, w: hm.matmul(x, w, None, config)
+
+
+def tile_name(t: dict) -> str:
+    return (f"pallas {t['tile_m']}x{t['tile_n']} wg{t['wg_dimension']} "
+            f"{t['grid_minor_dim']}{t['grid_tile_width']}")
 
 
 def swiglu(h):
@@ -54,6 +76,8 @@ def main(argv=None):
     p.add_argument("--m", type=positive_int, nargs="+", default=[1, 64, 256, 2048], help="rows (step tokens)")
     p.add_argument("--timer", choices=("program", "cupti"), default="program",
                    help="as in kernels.py: program-difference timing (any backend) or CUPTI kernel time (GPU)")
+    p.add_argument("--ops", nargs="+", choices=("qkv", "o", "gate_up", "down"), default=None,
+                   help="projections to time (default: all)")
     p.add_argument("--calls", type=positive_int, default=10)
     p.add_argument("--no-pallas", action="store_true", help="skip the Pallas matmul (it runs on Hopper only)")
     p.add_argument("--output-json", default=None)
@@ -65,39 +89,60 @@ def main(argv=None):
     pallas = not a.no_pallas and on_hopper()
     timed = functools.partial(cupti_us if a.timer == "cupti" else bench, calls=a.calls)
     print(f"devices: {jax.devices()}")
-    print(f"{'m':>6} {'op':10} {'impl':28}{'µs':>10}{'TFLOP/s':>9}{'W TB/s':>8}")
+    print(f"{'m':>6} {'op':10} {'impl':32}{'µs':>10}{'TFLOP/s':>9}{'W TB/s':>8}")
     rows = []
     key = jax.random.key(0)
     for m in a.m:
         for name, (k, n) in projections(a.model).items():
+            if a.ops and name not in a.ops:
+                continue
             x = jax.random.normal(key, (m, k), jnp.bfloat16)
             w = (jax.random.normal(key, (k, n), jnp.bfloat16) * k**-0.5).astype(jnp.bfloat16)
-            rests = rotated((x, w), w.nbytes)
-            impls = [("xla", lambda x, w: x @ w)]
+            # (name, fn, args, XLA options); the weight is the rotated operand
+            impls = [("xla cublas", lambda x, w: x @ w, (x, w), CUBLAS),
+                     ("xla autotuned", lambda x, w: x @ w, (x, w), None),
+                     ("xla cublaslt", lambda x, w: x @ w, (x, w), CUBLASLT),
+                     ("xla cublas, w as [N, K]", lambda x, wt: x @ wt.T, (x, w.T.copy()), CUBLAS)]
             if pallas:
-                impls += [(f"pallas {t[0]}x{t[1]}x{t[2]} s{t[3]}", pallas_matmul(t)) for t in PALLAS_TILES
-                          if m % t[0] == 0]
+                impls += [(tile_name(t), pallas_matmul(t), (x, w), None) for t in pallas_tiles(m)]
             if name == "gate_up":
-                impls.append(("xla + swiglu", lambda x, w: swiglu(x @ w)))
-            for impl, fn in impls:
+                impls.append(("xla cublas + swiglu", lambda x, w: swiglu(x @ w), (x, w), CUBLAS))
+                if pallas:  # the product in the GEMM's epilogue (the engine's kernel), at a few tilings
+                    impls += [(f"swiglu_matmul {c.tile_m}x{c.tile_n} s{c.stages} snake{c.snake}",
+                               functools.partial(swiglu_matmul.swiglu_matmul, config=c), (x, w), None)
+                              for c in SWIGLU_CONFIGS if swiglu_matmul.supports(x.shape, w.shape, x.dtype, c)]
+            if name == "down":  # the product as the down GEMM's prologue: fusible where XLA picks a Triton GEMM
+                h = jax.random.normal(key, (m, 2 * k), jnp.bfloat16)
+                impls += [("swiglu, then cublas", lambda h, w: swiglu(h) @ w, (h, w), CUBLAS),
+                          ("swiglu into autotuned", lambda h, w: swiglu(h) @ w, (h, w), None)]
+            reference = jax.jit(lambda x, w: x @ w, compiler_options=CUBLAS)(x, w).astype(jnp.float32)
+            fused_reference = swiglu_matmul.reference(x, w).astype(jnp.float32) if name == "gate_up" else None
+            for impl, fn, args, options in impls:
                 if fn is None:
                     continue
                 try:  # distinct weight copies in turn, so that a call does not find the last one's in L2
-                    us = timed(fn, (x, w), rests=rests)
+                    if impl.startswith(("pallas", "swiglu_matmul")):
+                        want = fused_reference if impl.startswith("swiglu_matmul") else reference
+                        got = jax.jit(fn)(*args).astype(jnp.float32)
+                        error = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                        if error > 2e-2:
+                            print(f"{m:>6} {name:10} {impl:32} wrong: relative error {error:.3g}", flush=True)
+                            continue
+                    us = timed(fn, args, rests=rotated(args, args[1].nbytes), compiler_options=options)
                 except Exception as e:  # a tiling that does not fit (shared memory, shape) is reported, not fatal
-                    print(f"{m:>6} {name:10} {impl:28} failed: {type(e).__name__}: {e}"[:200], flush=True)
+                    print(f"{m:>6} {name:10} {impl:32} failed: {type(e).__name__}: {e}"[:200], flush=True)
                     continue
                 row = dict(m=m, op=name, impl=impl, us=us, tflop_s=2 * m * k * n / us / 1e6,
                            weight_tb_s=2 * k * n / us / 1e6, fraction_of_peak=2 * m * k * n / us / 1e6
                            / (H200_BF16_FLOPS / 1e12))
                 rows.append(row)
-                print(f"{m:>6} {name:10} {impl:28}{us:10.1f}{row['tflop_s']:9.1f}{row['weight_tb_s']:8.2f}",
+                print(f"{m:>6} {name:10} {impl:32}{us:10.1f}{row['tflop_s']:9.1f}{row['weight_tb_s']:8.2f}",
                       flush=True)
             if name == "gate_up":  # the product alone: what an epilogue that absorbs it would save
                 h = jax.random.normal(key, (m, n), jnp.bfloat16)
                 us = timed(lambda h, _: swiglu(h), (h, h[:1]))
                 rows.append(dict(m=m, op="swiglu", impl="xla", us=us))
-                print(f"{m:>6} {'swiglu':10} {'xla (alone)':28}{us:10.1f}", flush=True)
+                print(f"{m:>6} {'swiglu':10} {'xla (alone)':32}{us:10.1f}", flush=True)
     write_json(a.output_json, {"rows": rows})
 
 

@@ -173,14 +173,14 @@ def check(dtype, page_size):
     print(f"check {jnp.dtype(dtype).name} page {page_size}: worst relative error {worst:.2e}", flush=True)
 
 
-def cupti_us(fn, args, calls, rests=None):
+def cupti_us(fn, args, calls, rests=None, compiler_options=None):
     """Median µs of one call's GPU kernels, summed by CUPTI (JAX's Mosaic GPU profiler): one compiled
     program run `calls` times, cycling through `rests` like `bench`. No host time and no program fixed
     cost to subtract, and one lowering per shape (`bench` lowers each of its 3 x calls kernel copies)."""
     from jax.experimental.mosaic.gpu import profiler
 
     rests = rests or [args[1:]]
-    jitted = jax.jit(fn)
+    jitted = jax.jit(fn, compiler_options=compiler_options)
     jax.block_until_ready(jitted(args[0], *rests[0]))  # compile (and any autotuning) outside the timing
     timed = profiler.measure(jitted)
     times = [timed(args[0], *rests[i % len(rests)])[1] for i in range(calls)]
@@ -191,14 +191,16 @@ def cupti_us(fn, args, calls, rests=None):
 def parse_config(text):
     """'' = the table (on Hopper: the Mosaic kernel); 'triton' = the Triton kernel as its table runs it;
     'm:block_kv,stages,splits[,block_q[,compute_warpgroups]]' = a Mosaic tile (an empty block_q: the
-    default); 'mt:block_kv,stages,splits' = the transposed Mosaic decode kernel's;
+    default); 'mt:block_kv,stages,splits[,block_q]' = the transposed Mosaic kernel's (block_q 1: decode
+    buckets' one-token items, which the table uses and which key splits need; none: prompt blocks too);
     'block_q,block_kv,splits,warps,stages' = a Triton tile (one launch)."""
     if not text:
         return None
     if text == "triton":
         return "triton"
     if text.startswith("mt:"):
-        return gpu_mosaic.MosaicConfig(*(int(x) for x in text[3:].split(",")), transposed=True)
+        fields = [int(x) if x else None for x in text[3:].split(",")]
+        return gpu_mosaic.MosaicConfig(*fields[:3], block_q=fields[3] if len(fields) > 3 else None, transposed=True)
     if text.startswith("m:"):
         return gpu_mosaic.MosaicConfig(*(int(x) if x else None for x in text[2:].split(",")))
     return gpu_kernel.GpuConfig(*(int(x) for x in text.split(",")))
@@ -208,7 +210,8 @@ def config_name(cfg):
     """A tile as `--configs` spells it."""
     if isinstance(cfg, gpu_mosaic.MosaicConfig):
         if cfg.transposed:
-            return f"mt:{cfg.block_kv},{cfg.num_stages},{cfg.num_kv_splits}"
+            block_q = "" if cfg.block_q is None else f",{cfg.block_q}"
+            return f"mt:{cfg.block_kv},{cfg.num_stages},{cfg.num_kv_splits}{block_q}"
         return "m:" + ",".join("" if v is None else str(v) for k, v in vars(cfg).items() if k != "transposed")
     return ",".join(str(v) for v in vars(cfg).values())
 
@@ -224,8 +227,8 @@ def main(argv=None):
     p.add_argument("--impl", default=None, help="gpu / tpu / reference (default: by backend)")
     p.add_argument("--configs", default="", help="';'-separated configs to time side by side (default: the "
                    "table): '' (the table), 'triton' (the Triton table tile), "
-                   "'m:block_kv,stages,splits[,block_q[,wgs]]' (Mosaic tile), 'mt:block_kv,stages,splits' "
-                   "(transposed Mosaic decode tile), "
+                   "'m:block_kv,stages,splits[,block_q[,wgs]]' (Mosaic tile), 'mt:block_kv,stages,splits[,block_q]' "
+                   "(transposed Mosaic tile; block_q 1 for decode buckets' items), "
                    "'block_q,block_kv,splits,warps,stages' (Triton tile)")
     p.add_argument("--max-tokens", type=int, default=65536, help="skip prefill shapes with more q tokens")
     p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")

@@ -176,13 +176,19 @@ class SamplerSwitches(NamedTuple):
     filters: bool
     random: bool
     top_logprobs: bool
+    adjust: bool
 
 
 def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
-    """What the batch of numpy `t` needs from the sampling program: the one place that decides."""
+    """What the batch of numpy `t` needs from the sampling program: the one place that decides.
+    `adjust` (logit_bias, min_tokens suppression, penalties) is only ever off in greedy batches: the
+    programs with random draws always apply them."""
     filters = bool(np.any((np.asarray(t.top_k) < vocab_size) | (np.asarray(t.top_p) < 1.0)))
     random = filters or not bool(np.all(t.greedy))
-    return SamplerSwitches(filters, random, bool(np.any(t.wants_logprobs)))
+    adjust = random or bool(
+        np.any(np.asarray(t.bias_ids) < vocab_size) or np.any(np.asarray(t.repetition_penalty) != 1.0)
+        or np.any(np.asarray(t.presence_penalty) != 0.0) or np.any(np.asarray(t.frequency_penalty) != 0.0))
+    return SamplerSwitches(filters, random, bool(np.any(t.wants_logprobs)), adjust)
 
 
 def _penalty_window(prompt_ids, output_ids, V: int, W: int) -> tuple[np.ndarray, np.ndarray]:
@@ -278,20 +284,23 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
     return jnp.where(keys >= jnp.maximum(tau_k, tau_p)[:, None], survivors, -jnp.inf)
 
 
-def process_logits(logits: jax.Array, t: SamplingTensors, *, filters: bool = True) -> jax.Array:
+def process_logits(logits: jax.Array, t: SamplingTensors, *, filters: bool = True, adjust: bool = True,
+                   temper: bool = True) -> jax.Array:
     """logits [S, V] -> the distribution each row samples from [S, V] (masked tokens are -inf).
 
-    `filters=False` skips top-k/top-p (the caller knows no row uses them; a static choice, so the
-    program has no data-dependent branch).
+    Static choices of a caller that knows the batch (so the program has no data-dependent branch):
+    `filters=False` skips top-k/top-p (no row uses them), `adjust=False` the logit_bias table and the
+    penalties (no row has any), `temper=False` temperature and min_p (every row greedy, and only the
+    argmax of the result is used: neither moves a row's largest logit).
 
     For greedy rows (temperature 1, filters off) this is the biased, penalised logits, whose argmax is
     the greedy token; filters always keep the max token, so argmax of the result is that token anyway.
     """
     logits = logits.astype(jnp.float32)
-    logits = _apply_logit_bias(logits, t)
-    logits = _apply_penalties(logits, t)
-    logits = logits / jnp.where(t.greedy, 1.0, t.temperature)[:, None]
-    logits = _apply_min_p(logits, t.min_p)
+    if adjust:
+        logits = _apply_penalties(_apply_logit_bias(logits, t), t)
+    if temper:
+        logits = _apply_min_p(logits / jnp.where(t.greedy, 1.0, t.temperature)[:, None], t.min_p)
     return _apply_top_k_top_p(logits, t.top_k, t.top_p) if filters else logits
 
 
@@ -333,6 +342,7 @@ def sample(
     filters: bool = True,
     random: bool = True,
     top_logprobs: bool = True,
+    adjust: bool = True,
     logprobs_mode: str = "raw_logprobs",
 ) -> SamplerOutput:
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
@@ -340,11 +350,15 @@ def sample(
     batch, switches off what no row needs: `filters=False` when no row uses top-k/top-p (skips their
     64 masked reductions over [S, V]), `random=False` when every row is greedy (no categorical draw),
     `top_logprobs=False` when no row asks for logprobs (no top-k over [S, V], which XLA runs as a sort:
-    0.9 ms of a 7 ms batch-64 step on the H200; the top ids are then -1 and their logprobs -inf)."""
+    0.9 ms of a 7 ms batch-64 step on the H200; the top ids are then -1 and their logprobs -inf),
+    `adjust=False` when no row has a logit_bias entry or a penalty (a greedy batch without them is then
+    an argmax and a log-sum-exp of the logits: no [S, V] copy for the scatters, no min_p pass)."""
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
     assert logits.shape[0] == t.temperature.shape[0], (logits.shape, t.temperature.shape)
-    processed = process_logits(logits, t, filters=filters)  # [S, V]
+    assert adjust or not random, "programs with random draws apply logit_bias and penalties"
+    processed = process_logits(logits, t, filters=filters, adjust=adjust,
+                               temper=random or logprobs_mode == "processed_logprobs")  # [S, V]
     next_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [S]
     if random:
         drawn = jax.vmap(jax.random.categorical)(_row_keys(t), processed)  # [S]

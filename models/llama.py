@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jengine.config import ModelConfig
+from jengine.kernels_pallas import swiglu_matmul
 from jengine.kernels_pallas.ragged_paged_attention import ragged_paged_attention, write_kv
 from jengine.models.common import ModelInput, WeightSpec, apply_rope, rms_norm, rope_inv_freq
 from jengine.sharding import per_head_shard, tp_size
@@ -97,6 +98,9 @@ def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
 
 
 def _mlp(params, cfg, x, tp):
+    if tp == 1 and swiglu_matmul.use_kernel(x.shape, params["gate_up"].shape, x.dtype):
+        # Hopper, large steps: the product in the gate/up GEMM's epilogue (no [T, 2 I] intermediate)
+        return swiglu_matmul.swiglu_matmul(x, params["gate_up"]) @ params["down"]
     inter = cfg.intermediate_size // tp
     gate_up = (x @ params["gate_up"]).reshape(x.shape[0], tp, 2 * inter)  # [T, tp, 2 I / tp]
     gate = gate_up[:, :, :inter].reshape(x.shape[0], cfg.intermediate_size)

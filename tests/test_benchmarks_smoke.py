@@ -180,13 +180,15 @@ def test_gemm_bench_times_each_projection_and_the_swiglu_product(tmp_path):
     data = _run("gemm", ["--model", "jengine/tiny-llama", "--m", "1", "8", "--calls", "2", "--no-pallas"], tmp_path)
     ops = {(r["m"], r["op"], r["impl"]) for r in data["rows"]}
     for m in (1, 8):
-        assert {(m, op, "xla") for op in ("qkv", "o", "gate_up", "down", "swiglu")} <= ops
-        assert (m, "gate_up", "xla + swiglu") in ops
+        assert {(m, op, "xla cublas") for op in ("qkv", "o", "gate_up", "down")} <= ops
+        assert {(m, "qkv", impl) for impl in ("xla autotuned", "xla cublaslt", "xla cublas, w as [N, K]")} <= ops
+        assert {(m, "gate_up", "xla cublas + swiglu"), (m, "swiglu", "xla"), (m, "down", "swiglu, then cublas"),
+                (m, "down", "swiglu into autotuned")} <= ops
     # (The program timer reports nan, with a warning, for calls too short for its clock.)
     assert all(not r["us"] <= 0 for r in data["rows"]) and any(r["us"] > 0 for r in data["rows"])
 
 
-@pytest.mark.parametrize("text", ["mt:64,2,4", "m:128,3,1,1,1", "m:64,2,1,,2", "4,32,1,4,1"])
+@pytest.mark.parametrize("text", ["mt:64,2,4,1", "mt:64,2,1", "m:128,3,1,1,1", "m:64,2,1,,2", "4,32,1,4,1"])
 def test_kernels_bench_config_names_round_trip(text):
     if BENCH not in sys.path:
         sys.path.insert(0, BENCH)
