@@ -138,21 +138,18 @@ def _forward(params, kv_caches, ints, floats, prev_ids, *, layout, cfg: ModelCon
     return kv_caches, family.compute_logits(params, cfg, hidden[inp.logits_indices]), hidden
 
 
-# (filters, random, top_logprobs, adjust) a batch can need: top-k/top-p filters only come with
-# non-greedy rows, and only greedy batches skip logit_bias and penalties (`sampler_switches`).
-SAMPLER_VARIANTS = tuple((f, r, top, adjust) for f, r, adjust in ((False, False, False), (False, False, True),
-                                                                  (False, True, True), (True, True, True))
+# (filters, random, top_logprobs) a batch can need: top-k/top-p filters only come with the general
+# (random) program, which greedy batches with logit_bias or penalties also take (`sampler_switches`).
+SAMPLER_VARIANTS = tuple((f, r, top) for f, r in ((False, False), (False, True), (True, True))
                          for top in (False, True))
 
 
-def _sample(logits, ints, floats, *, layout, filters: bool, random: bool, top_logprobs: bool, adjust: bool,
-            max_seqs: int):
-    """Sampling as its own program per (S, filters, random, top_logprobs, adjust): the host knows which
-    of top-k/top-p, random draws, top logprobs, logit_bias and penalties the batch needs, so no
-    data-dependent branch is needed. Also returns the ids padded to `[max_seqs]`, which the next step
-    reads as its `prev_ids`."""
-    out = sample(logits, unpack(ints, floats, layout), filters=filters, random=random, top_logprobs=top_logprobs,
-                 adjust=adjust)
+def _sample(logits, ints, floats, *, layout, filters: bool, random: bool, top_logprobs: bool, max_seqs: int):
+    """Sampling as its own program per (S, filters, random, top_logprobs): the host knows which of
+    top-k/top-p, the general program (random draws, logit_bias, penalties) and top logprobs the batch
+    needs, so no data-dependent branch is needed. Also returns the ids padded to `[max_seqs]`, which
+    the next step reads as its `prev_ids`."""
+    out = sample(logits, unpack(ints, floats, layout), filters=filters, random=random, top_logprobs=top_logprobs)
     return out, jnp.zeros((max_seqs,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
 
 
@@ -238,7 +235,7 @@ class ModelRunner:
         self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1,),
                                 static_argnames=("layout",), **fwd)
         self._sample = jax.jit(functools.partial(_sample, max_seqs=self.max_seqs),
-                               static_argnames=("layout", "filters", "random", "top_logprobs", "adjust"), **smp)
+                               static_argnames=("layout", "filters", "random", "top_logprobs"), **smp)
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}  # filled by warmup(), in parallel
 
@@ -287,9 +284,8 @@ class ModelRunner:
         if kind == "forward":
             return functools.partial(self._forward, layout=key[0])
         if kind == "sample":
-            layout, filters, random, top, adjust = key
-            return functools.partial(self._sample, layout=layout, filters=filters, random=random, top_logprobs=top,
-                                     adjust=adjust)
+            layout, filters, random, top = key
+            return functools.partial(self._sample, layout=layout, filters=filters, random=random, top_logprobs=top)
         return self._prompt_logprobs
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
@@ -339,11 +335,11 @@ class ModelRunner:
             traced = self._forward.trace(self.params, caches, ints, floats, self.no_prev_ids, layout=layout)
             return ("forward", layout), traced, forward_compiler_options(bucket[0])
 
-        def sample(logits, s, filters, random, top, adjust):
+        def sample(logits, s, filters, random, top):
             s_ints, s_floats, s_layout = pack(build_sampling_tensors([], s, self.cfg.vocab_size))
             traced = self._sample.trace(logits, s_ints, s_floats, layout=s_layout, filters=filters,
-                                        random=random, top_logprobs=top, adjust=adjust)
-            return ("sample", s_layout, filters, random, top, adjust), traced, None
+                                        random=random, top_logprobs=top)
+            return ("sample", s_layout, filters, random, top), traced, None
 
         def prompt_logprobs(hidden, t):
             traced = self._prompt_logprobs.trace(self.params, hidden, np.zeros(t, np.int32))

@@ -176,19 +176,18 @@ class SamplerSwitches(NamedTuple):
     filters: bool
     random: bool
     top_logprobs: bool
-    adjust: bool
 
 
 def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     """What the batch of numpy `t` needs from the sampling program: the one place that decides.
-    `adjust` (logit_bias, min_tokens suppression, penalties) is only ever off in greedy batches: the
-    programs with random draws always apply them."""
+    `random` is the general program (random draws, logit_bias, min_tokens suppression, penalties); it
+    is off only for greedy batches with none of those, which are then an argmax and a log-sum-exp."""
     filters = bool(np.any((np.asarray(t.top_k) < vocab_size) | (np.asarray(t.top_p) < 1.0)))
-    random = filters or not bool(np.all(t.greedy))
-    adjust = random or bool(
+    adjust = bool(
         np.any(np.asarray(t.bias_ids) < vocab_size) or np.any(np.asarray(t.repetition_penalty) != 1.0)
         or np.any(np.asarray(t.presence_penalty) != 0.0) or np.any(np.asarray(t.frequency_penalty) != 0.0))
-    return SamplerSwitches(filters, random, bool(np.any(t.wants_logprobs)), adjust)
+    random = filters or adjust or not bool(np.all(t.greedy))
+    return SamplerSwitches(filters, random, bool(np.any(t.wants_logprobs)))
 
 
 def _penalty_window(prompt_ids, output_ids, V: int, W: int) -> tuple[np.ndarray, np.ndarray]:
@@ -342,22 +341,20 @@ def sample(
     filters: bool = True,
     random: bool = True,
     top_logprobs: bool = True,
-    adjust: bool = True,
     logprobs_mode: str = "raw_logprobs",
 ) -> SamplerOutput:
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
     arguments static; the tensors' values never cause a recompilation. The host, which knows the
     batch, switches off what no row needs: `filters=False` when no row uses top-k/top-p (skips their
-    64 masked reductions over [S, V]), `random=False` when every row is greedy (no categorical draw),
+    64 masked reductions over [S, V]), `random=False` when every row is greedy and no row has a
+    logit_bias entry or a penalty (no categorical draw, and no scatters into a copy of the logits, no
+    temperature or min_p pass: an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-k over [S, V], which XLA runs as a sort:
-    0.9 ms of a 7 ms batch-64 step on the H200; the top ids are then -1 and their logprobs -inf),
-    `adjust=False` when no row has a logit_bias entry or a penalty (a greedy batch without them is then
-    an argmax and a log-sum-exp of the logits: no [S, V] copy for the scatters, no min_p pass)."""
+    0.9 ms of a 7 ms batch-64 step on the H200; the top ids are then -1 and their logprobs -inf)."""
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
     assert logits.shape[0] == t.temperature.shape[0], (logits.shape, t.temperature.shape)
-    assert adjust or not random, "programs with random draws apply logit_bias and penalties"
-    processed = process_logits(logits, t, filters=filters, adjust=adjust,
+    processed = process_logits(logits, t, filters=filters, adjust=random,
                                temper=random or logprobs_mode == "processed_logprobs")  # [S, V]
     next_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [S]
     if random:

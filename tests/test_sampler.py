@@ -228,19 +228,20 @@ def test_one_compilation_serves_every_option_mix():
 
 
 @pytest.mark.parametrize("options, expected", [
-    ([dict(temperature=0.0)], (False, False, False, False)),
-    ([dict(temperature=0.0), dict(temperature=0.7)], (False, True, False, True)),
-    ([dict(temperature=0.7, top_p=0.9)], (True, True, False, True)),
-    ([dict(temperature=0.7, top_k=5)], (True, True, False, True)),
-    ([dict(temperature=0.0, logprobs=0)], (False, False, True, False)),
-    ([dict(temperature=0.0), dict(temperature=0.0, logprobs=3)], (False, False, True, False)),
-    ([dict(temperature=0.0, min_p=0.5)], (False, False, False, False)),  # min_p does not move an argmax
-    ([dict(temperature=0.0), dict(temperature=0.0, logit_bias={3: 1.0})], (False, False, False, True)),
-    ([dict(temperature=0.0, repetition_penalty=1.1)], (False, False, False, True)),
-    ([dict(temperature=0.0, presence_penalty=0.5)], (False, False, False, True)),
-    ([dict(temperature=0.0, frequency_penalty=-0.5)], (False, False, False, True)),
-    ([dict(temperature=0.0, min_tokens=3, stop_token_ids=[7])], (False, False, False, True)),
-    ([dict(temperature=0.0, min_tokens=3, ignore_eos=True)], (False, False, False, False)),
+    ([dict(temperature=0.0)], (False, False, False)),
+    ([dict(temperature=0.0), dict(temperature=0.7)], (False, True, False)),
+    ([dict(temperature=0.7, top_p=0.9)], (True, True, False)),
+    ([dict(temperature=0.7, top_k=5)], (True, True, False)),
+    ([dict(temperature=0.0, logprobs=0)], (False, False, True)),
+    ([dict(temperature=0.0), dict(temperature=0.0, logprobs=3)], (False, False, True)),
+    ([dict(temperature=0.0, min_p=0.5)], (False, False, False)),  # min_p does not move an argmax
+    # greedy batches with logit_bias, penalties or min_tokens suppression take the general program
+    ([dict(temperature=0.0), dict(temperature=0.0, logit_bias={3: 1.0})], (False, True, False)),
+    ([dict(temperature=0.0, repetition_penalty=1.1)], (False, True, False)),
+    ([dict(temperature=0.0, presence_penalty=0.5)], (False, True, False)),
+    ([dict(temperature=0.0, frequency_penalty=-0.5)], (False, True, False)),
+    ([dict(temperature=0.0, min_tokens=3, stop_token_ids=[7])], (False, True, False)),
+    ([dict(temperature=0.0, min_tokens=3, ignore_eos=True)], (False, False, False)),
 ])
 def test_sampler_switches_follow_the_batch(options, expected):
     rows = [SamplingRow(P(**o), [1, 2], []) for o in options]
@@ -249,22 +250,30 @@ def test_sampler_switches_follow_the_batch(options, expected):
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
-def test_greedy_batches_without_adjustments_sample_the_same_without_them(mode):
-    """`adjust=False` (and with raw logprobs no temperature / min_p pass) is what the runner picks for a
-    greedy batch without logit_bias or penalties: every output equals the full program's."""
+def test_the_greedy_program_samples_like_the_general_one(mode):
+    """`random=False` (no scatters and, with raw logprobs, no temperature / min_p pass) is what the
+    runner picks for a greedy batch without logit_bias or penalties: every output equals the general
+    program's on such a batch."""
     rng = np.random.RandomState(4)
     logits = rng.randn(5, V).astype(np.float32) * 3
     rows = [SamplingRow(p, [1, 2], [3], i) for i, p in enumerate(
         [P(temperature=0), P(temperature=0, min_p=0.9), P(temperature=0, logprobs=3), P(temperature=0, top_k=-1)])]
     t = tensors(rows, S=5)
-    assert tuple(sampler_switches(t, V)) == (False, False, True, False)
-    fast = jax.jit(functools.partial(sample, filters=False, random=False, adjust=False, logprobs_mode=mode))
-    full = jax.jit(functools.partial(sample, filters=False, random=False, adjust=True, logprobs_mode=mode))
-    for f, g in zip(fast(logits, t), full(logits, t)):
+    assert tuple(sampler_switches(t, V)) == (False, False, True)
+    greedy = jax.jit(functools.partial(sample, filters=False, random=False, logprobs_mode=mode))
+    general = jax.jit(functools.partial(sample, filters=False, random=True, logprobs_mode=mode))
+    for f, g in zip(greedy(logits, t), general(logits, t)):
         np.testing.assert_allclose(np.asarray(f), np.asarray(g), rtol=1e-6, atol=1e-6)
 
 
-def test_programs_with_random_draws_always_adjust():
-    t = tensors([P(temperature=0.5)])
-    with pytest.raises(AssertionError, match="random draws"):
-        sample(np.zeros((1, V), np.float32), t, random=True, adjust=False)
+def test_greedy_rows_with_logit_bias_or_penalties_follow_them_in_the_general_program():
+    logits = np.stack([row_logits(PROBS)] * 3)
+    rows = [SamplingRow(P(temperature=0, logit_bias={2: 10.0}), [], []),
+            SamplingRow(P(temperature=0, repetition_penalty=100.0), [0], []),  # token 0 seen: 0.5 -> divided
+            SamplingRow(P(temperature=0), [], [])]
+    t = tensors(rows)
+    switches = sampler_switches(t, V)
+    assert switches.random
+    out = jax.jit(functools.partial(sample, filters=switches.filters, random=switches.random,
+                                    top_logprobs=switches.top_logprobs))(logits, t)
+    assert np.asarray(out.next_ids).tolist() == [2, 1, 0]
