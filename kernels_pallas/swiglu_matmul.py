@@ -71,11 +71,13 @@ def supports(x_shape, w_shape, dtype, config: SwigluConfig = SwigluConfig()) -> 
             and k % config.tile_k == 0)
 
 
-def use_kernel(x_shape, w_shape, dtype) -> bool:
-    """The model's choice: on a Hopper GPU, for steps of `MIN_TOKENS` or more that the kernel supports."""
+def use_kernel(x: jax.Array, w_gate_up: jax.Array) -> bool:
+    """The model's choice for these operands (arrays or tracers): on a Hopper GPU, for steps of
+    `MIN_TOKENS` or more that the kernel supports, with x and the weight of one dtype."""
     from .ragged_paged_attention.gpu_mosaic import on_hopper
 
-    return x_shape[0] >= MIN_TOKENS and supports(x_shape, w_shape, dtype) and on_hopper()
+    return (x.ndim == 2 and x.shape[0] >= MIN_TOKENS and x.dtype == w_gate_up.dtype
+            and supports(x.shape, w_gate_up.shape, x.dtype) and on_hopper())
 
 
 def _num_sms() -> int:

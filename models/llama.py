@@ -98,7 +98,7 @@ def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
 
 
 def _mlp(params, cfg, x, tp):
-    if tp == 1 and swiglu_matmul.use_kernel(x.shape, params["gate_up"].shape, x.dtype):
+    if tp == 1 and swiglu_matmul.use_kernel(x, params["gate_up"]):
         # Hopper, large steps: the product in the gate/up GEMM's epilogue (no [T, 2 I] intermediate)
         return swiglu_matmul.swiglu_matmul(x, params["gate_up"]) @ params["down"]
     inter = cfg.intermediate_size // tp

@@ -66,8 +66,13 @@ def test_bad_operands_raise_value_errors():
 
 
 def test_the_model_uses_it_only_on_hopper_for_large_steps():
-    assert sm.use_kernel((4096, 4096), (4096, 28672), jnp.bfloat16) is HOPPER
-    assert not sm.use_kernel((sm.MIN_TOKENS // 2, 4096), (4096, 28672), jnp.bfloat16)
+    def spec(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    w = spec((4096, 28672))
+    assert sm.use_kernel(spec((4096, 4096)), w) is HOPPER
+    assert not sm.use_kernel(spec((sm.MIN_TOKENS // 2, 4096)), w)
+    assert not sm.use_kernel(spec((4096, 4096), jnp.float16), w)  # operands of two dtypes
 
 
 @pytest.mark.parametrize("m,k,inter,config", [
