@@ -21,8 +21,8 @@ from common import H200_BF16_FLOPS, bench, model_shape, positive_int, write_json
 from kernels import cupti_us, rotated
 
 from jengine.kernels_pallas import swiglu_matmul
+from jengine.runner import CUBLAS_OPTIONS as CUBLAS  # what the engine compiles buckets of >= 64 tokens with
 
-CUBLAS = {"xla_gpu_enable_triton_gemm": False}  # what the engine compiles buckets of >= 64 tokens with
 CUBLASLT = {**CUBLAS, "xla_gpu_enable_cublaslt": True}
 
 
@@ -49,8 +49,8 @@ def projections(model: str) -> dict[str, tuple[int, int]]:
 
 
 def pallas_matmul(tile: dict):
-    """JAX's Hopper matmul with one tiling (`pallas_tiles`), or None where this JAX lacks it, or the shape
-    does not divide into its tiles."""
+    """JAX's Hopper matmul with one tiling (`pallas_tiles`), or None where this JAX lacks it (a shape that
+    does not divide into the tiles raises when called; the caller reports it)."""
     try:
         from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
     except ImportError:

@@ -55,6 +55,7 @@ class PromptLogprobs(NamedTuple):
 # fusions reduce: cuBLAS made the 64-token decode step 6.03 -> 5.77 ms, and the 16- and 32-token steps
 # slower (4.62 -> 4.84 ms; 4.81 -> 4.95 ms in session 5).
 CUBLAS_GEMM_MIN_TOKENS = 64
+CUBLAS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}  # GEMMs through cuBLAS (benchmarks/gemm.py uses it too)
 
 
 def forward_compiler_options(num_tokens: int) -> dict | None:
@@ -63,7 +64,7 @@ def forward_compiler_options(num_tokens: int) -> dict | None:
     if (jax.default_backend() != "gpu" or num_tokens < CUBLAS_GEMM_MIN_TOKENS
             or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", "")):
         return None
-    return {"xla_gpu_enable_triton_gemm": False}
+    return dict(CUBLAS_OPTIONS)
 
 
 PROMPT_LOGPROBS_CHUNK = 256  # tokens whose [C, V] logits exist at once when prompt logprobs are asked for
