@@ -26,8 +26,8 @@ from jengine.runner import CUBLAS_OPTIONS as CUBLAS  # what the engine compiles 
 CUBLASLT = {**CUBLAS, "xla_gpu_enable_cublaslt": True}
 
 
-SWIGLU_CONFIGS = [swiglu_matmul.SwigluConfig(), swiglu_matmul.SwigluConfig(stages=3),
-                  swiglu_matmul.SwigluConfig(snake=4), swiglu_matmul.SwigluConfig(tile_m=128, tile_n=64)]
+SWIGLU_CONFIGS = [swiglu_matmul.SwigluConfig(), swiglu_matmul.SwigluConfig(approx_math=False),
+                  swiglu_matmul.SwigluConfig(delay_release=1), swiglu_matmul.SwigluConfig(snake=2)]
 
 
 def pallas_tiles(m: int) -> list[dict]:
@@ -80,6 +80,8 @@ def main(argv=None):
                    help="projections to time (default: all)")
     p.add_argument("--calls", type=positive_int, default=10)
     p.add_argument("--no-pallas", action="store_true", help="skip the Pallas matmul (it runs on Hopper only)")
+    p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                   help="time only the implementations whose name contains one of these (e.g. cublas swiglu_matmul)")
     p.add_argument("--output-json", default=None)
     a = p.parse_args(argv)
     if a.timer == "cupti" and jax.default_backend() != "gpu":
@@ -108,7 +110,8 @@ def main(argv=None):
             if name == "gate_up":
                 impls.append(("xla cublas + swiglu", lambda x, w: swiglu(x @ w), (x, w), CUBLAS))
                 if pallas:  # the product in the GEMM's epilogue (the engine's kernel), at a few tilings
-                    impls += [(f"swiglu_matmul {c.tile_m}x{c.tile_n} s{c.stages} snake{c.snake}",
+                    impls += [(f"swiglu_matmul {c.tile_m}x{c.tile_n} s{c.stages} snake{c.snake} "
+                               f"d{c.delay_release}{'' if c.approx_math else ' exact exp'}",
                                functools.partial(swiglu_matmul.swiglu_matmul, config=c), (x, w), None)
                               for c in SWIGLU_CONFIGS if swiglu_matmul.supports(x.shape, w.shape, x.dtype, c)]
             if name == "down":  # the product as the down GEMM's prologue: fusible where XLA picks a Triton GEMM
@@ -118,7 +121,7 @@ def main(argv=None):
             reference = jax.jit(lambda x, w: x @ w, compiler_options=CUBLAS)(x, w).astype(jnp.float32)
             fused_reference = swiglu_matmul.reference(x, w).astype(jnp.float32) if name == "gate_up" else None
             for impl, fn, args, options in impls:
-                if fn is None:
+                if fn is None or (a.only and not any(text in impl for text in a.only)):
                     continue
                 try:  # distinct weight copies in turn, so that a call does not find the last one's in L2
                     if impl.startswith(("pallas", "swiglu_matmul")):

@@ -34,19 +34,30 @@ class SwigluConfig:
     """Tiling: `tile_m` rows per compute warpgroup (a program's tile has 2 x tile_m rows), `tile_n`
     output columns (and as many gate and up columns), `tile_k` of the contraction per pipeline step,
     `stages` steps in flight, and `snake` output-tile columns walked together (all rows of a column
-    before the next, so that the weight slices are read once while x stays in L2)."""
+    before the next, so that the weight slices are read once while x stays in L2). With
+    `delay_release` 1 a compute warpgroup leaves one step's wgmmas running while it issues the next
+    (each slot is released a step later); `approx_math` lets the epilogue's exp use the fast
+    approximation."""
 
     tile_m: int = 64
     tile_n: int = 128
     tile_k: int = 64
     stages: int = 4
     snake: int = 1
+    delay_release: int = 0
+    approx_math: bool = True
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n", "tile_k", "stages", "snake"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SwigluConfig: `{name}` must be a positive int, got {value!r}")
+        if self.delay_release not in (0, 1) or isinstance(self.delay_release, bool) or \
+                self.delay_release >= self.stages:
+            raise ValueError(f"SwigluConfig: `delay_release` must be 0 or 1 and below `stages` ({self.stages}), "
+                             f"got {self.delay_release!r}")
+        if not isinstance(self.approx_math, bool):
+            raise ValueError(f"SwigluConfig: `approx_math` must be a bool, got {self.approx_math!r}")
         if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
             raise ValueError(f"SwigluConfig: tiles must be multiples of 64 (wgmma rows, 128-byte swizzle), got "
                              f"tile_m={self.tile_m}, tile_n={self.tile_n}, tile_k={self.tile_k}")
@@ -100,7 +111,8 @@ def swiglu_matmul(x: jax.Array, w_gate_up: jax.Array, config: SwigluConfig | Non
         functools.partial(_kernel, config=config),
         out_type=jax.ShapeDtypeStruct((m, inter), x.dtype),
         grid=(_num_sms(),), grid_names=("sm",), num_threads=_WARPGROUPS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                             approx_math=config.approx_math),
     )
     return kernel(x, w_gate_up)
 
@@ -119,7 +131,8 @@ def _kernel(x_gmem, w_gmem, out_gmem, *, config: SwigluConfig):
     m_tiles, n_tiles = m // rows, inter // tile_n
 
     def pipeline(body, compute_context):
-        spec = functools.partial(plgpu.BlockSpec, transforms=operand, memory_space=plgpu.SMEM)
+        spec = functools.partial(plgpu.BlockSpec, transforms=operand, memory_space=plgpu.SMEM,
+                                 delay_release=config.delay_release)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k // tile_k,), memory_registers=40,
             in_specs=[spec((rows, tile_k), lambda s: (0, s)), spec((tile_k, tile_n), lambda s: (s, 0)),
@@ -148,7 +161,7 @@ def _kernel(x_gmem, w_gmem, out_gmem, *, config: SwigluConfig):
                 acc_gate, acc_up = accs
                 plgpu.wgmma(acc_gate, x_smem.at[pl.ds(wg * tile_m, tile_m)], gate_smem)
                 plgpu.wgmma(acc_up, x_smem.at[pl.ds(wg * tile_m, tile_m)], up_smem)
-                plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(2 * config.delay_release)  # two wgmma groups per step
                 return accs
 
             def compute(run):
@@ -156,6 +169,7 @@ def _kernel(x_gmem, w_gmem, out_gmem, *, config: SwigluConfig):
                                    acc_up=plgpu.ACC((tile_m, tile_n), jnp.float32))
                 def _accumulate(acc_gate, acc_up):
                     run((acc_gate, acc_up))
+                    plgpu.wgmma_wait(0)
                     gate, up = acc_gate[...], acc_up[...]
                     product = gate * up / (1.0 + jnp.exp(-gate))  # silu(gate) * up, in f32
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read it

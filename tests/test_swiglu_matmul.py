@@ -31,10 +31,16 @@ def test_reference_is_silu_gate_times_up():
 
 
 @pytest.mark.parametrize("field,value", [("tile_m", 0), ("tile_n", 96), ("tile_k", 32), ("stages", True),
-                                         ("snake", -1), ("tile_m", 128.0)])
+                                         ("snake", -1), ("tile_m", 128.0), ("delay_release", 2),
+                                         ("delay_release", True), ("approx_math", 1)])
 def test_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field if field != "tile_n" else "multiples of 64"):
         sm.SwigluConfig(**{field: value})
+
+
+def test_config_rejects_a_release_lag_as_deep_as_the_ring():
+    with pytest.raises(ValueError, match="delay_release"):
+        sm.SwigluConfig(stages=1, delay_release=1)
 
 
 def test_config_rejects_accumulators_over_the_registers():
@@ -81,6 +87,8 @@ def test_the_model_uses_it_only_on_hopper_for_large_steps():
     (256, 512, 384, sm.SwigluConfig(stages=3, snake=4)),
     (512, 256, 256, sm.SwigluConfig(tile_m=128, tile_n=64)),
     (128, 64, 128, sm.SwigluConfig()),  # one pipeline step, one output tile
+    (256, 512, 384, sm.SwigluConfig(delay_release=1, approx_math=True)),  # one step's wgmmas in flight
+    (128, 128, 128, sm.SwigluConfig(delay_release=1, stages=2)),  # two steps: the release lag at both ends
 ])
 def test_kernel_matches_reference(m, k, inter, config):
     x, w = _operands(m, k, inter, seed=m + k)
@@ -91,4 +99,16 @@ def test_kernel_matches_reference(m, k, inter, config):
     got = np.asarray(fn(x, w).astype(jnp.float32))
     want = np.asarray(sm.reference(x, w).astype(jnp.float32))
     assert got.shape == (m, inter)
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=2e-2)
+
+
+@pytest.mark.skipif(not HOPPER, reason="runs the kernel (Hopper GPU)")
+@pytest.mark.parametrize("approx_math", [False, True])
+def test_kernel_saturates_for_gates_past_exp_range(approx_math):
+    """Gates far below -88 overflow exp(-gate) to inf in f32: silu must give 0 there, not NaN."""
+    x, w = _operands(128, 256, 128, seed=5)
+    x = x * 60  # gates of standard deviation ~60: many beyond the exp range on both sides
+    got = np.asarray(sm.swiglu_matmul(x, w, sm.SwigluConfig(approx_math=approx_math)).astype(jnp.float32))
+    want = np.asarray(sm.reference(x, w).astype(jnp.float32))
+    assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=2e-2)
