@@ -10,8 +10,10 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import logging
 import os
+import time
 from typing import NamedTuple
 
 import jax
@@ -233,12 +235,14 @@ class ModelRunner:
             caches = [cache_sharding] * cfg.num_hidden_layers  # inputs are committed arrays or host numpy
             fwd = dict(out_shardings=(caches, rep, rep))  # logits and hidden gathered onto every device
             smp = plp = dict(out_shardings=rep)
+        self._replicated = rep if mesh is not None else None  # where the forwards leave logits and hidden
         self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1,),
                                 static_argnames=("layout",), **fwd)
         self._sample = jax.jit(functools.partial(_sample, max_seqs=self.max_seqs),
                                static_argnames=("layout", "filters", "random", "top_logprobs"), **smp)
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}  # filled by warmup(), in parallel
+        self.warmup_lowering_seconds = 0.0  # warm-up's time tracing and lowering (one thread), for reports
 
     def allocate_kv_cache(self) -> None:
         if self.kv_caches is None:
@@ -313,6 +317,7 @@ class ModelRunner:
         # earlier process's cache).
         def build_all(programs):
             jobs = []
+            t0 = time.perf_counter()
             for name, traced, opts in programs:
                 key = cache.key(traced, opts) if cache else None
                 stored = key is not None and cache.contains(key)
@@ -320,6 +325,7 @@ class ModelRunner:
                     jobs.append((name, traced, opts, key, stored, pool.submit(cache.load, key)))
                 else:
                     jobs.append((name, traced, opts, key, stored, pool.submit(compile_one, traced.lower(), opts, key)))
+            self.warmup_lowering_seconds = time.perf_counter() - t0
             for name, traced, opts, key, stored, job in jobs:
                 compiled = job.result()
                 if stored and compiled is not None:
@@ -331,35 +337,40 @@ class ModelRunner:
         def compile_one(lowered, opts, key):
             return lowered.compile(opts) if key is None else cache.compile(key, lowered, opts)
 
-        def forward(bucket):
-            ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
-            traced = self._forward.trace(self.params, caches, ints, floats, self.no_prev_ids, layout=layout)
-            return ("forward", layout), traced, forward_compiler_options(bucket[0])
+        # The sampling and prompt-logprob programs take the forwards' outputs; their shapes come from the
+        # traced forwards, so they are lowered while the forwards compile (not after the last one).
+        logits_of, hidden_of = {}, {}
 
-        def sample(logits, s, filters, random, top):
-            s_ints, s_floats, s_layout = pack(build_sampling_tensors([], s, self.cfg.vocab_size))
-            traced = self._sample.trace(logits, s_ints, s_floats, layout=s_layout, filters=filters,
-                                        random=random, top_logprobs=top)
-            return ("sample", s_layout, filters, random, top), traced, None
+        def spec(info):
+            return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=self._replicated)
 
-        def prompt_logprobs(hidden, t):
-            traced = self._prompt_logprobs.trace(self.params, hidden, np.zeros(t, np.int32))
-            return ("prompt_logprobs", t), traced, None
+        def forwards():
+            for bucket in buckets:
+                ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
+                traced = self._forward.trace(self.params, caches, ints, floats, self.no_prev_ids, layout=layout)
+                _, logits, hidden = traced.out_info
+                logits_of.setdefault(bucket[1], spec(logits))
+                hidden_of.setdefault(bucket[0], spec(hidden))
+                yield ("forward", layout), traced, forward_compiler_options(bucket[0])
+
+        def samplers():
+            for s, logits in logits_of.items():
+                s_ints, s_floats, s_layout = pack(build_sampling_tensors([], s, self.cfg.vocab_size))
+                for filters, random, top in SAMPLER_VARIANTS:
+                    traced = self._sample.trace(logits, s_ints, s_floats, layout=s_layout, filters=filters,
+                                                random=random, top_logprobs=top)
+                    yield ("sample", s_layout, filters, random, top), traced, None
+
+        def prompt_logprobs():
+            for t, hidden in hidden_of.items():
+                traced = self._prompt_logprobs.trace(self.params, hidden, np.zeros(t, np.int32))
+                yield ("prompt_logprobs", t), traced, None
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            forwards = []
-            for key, compiled in build_all(forward(b) for b in buckets):
-                forwards.append((key, compiled))
-                bar.update()
-            self._compiled.update(forwards)
-            logits_of, hidden_of = {}, {}
-            for (t, s), (_, compiled) in zip(buckets, forwards):
-                _, logits, hidden = compiled.out_info
-                logits_of.setdefault(s, logits)
-                hidden_of.setdefault(t, hidden)
-            self._compiled.update(build_all(sample(logits, s, *variant) for s, logits in logits_of.items()
-                                            for variant in SAMPLER_VARIANTS))
-            self._compiled.update(build_all(prompt_logprobs(h, t) for t, h in hidden_of.items()))
+            for name, compiled in build_all(itertools.chain(forwards(), samplers(), prompt_logprobs())):
+                self._compiled[name] = compiled
+                if name[0] == "forward":
+                    bar.update()
         bar.close()
         if cache is not None:
             logger.info("executable cache: %d of %d programs loaded from %s", self.executable_cache_hits,

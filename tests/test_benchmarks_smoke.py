@@ -102,6 +102,7 @@ def test_startup_cold_and_warm_cache(tmp_path):
         assert min(phases) >= 0 and abs(sum(phases) - row["first_token_s"]) < 1e-6
         assert set(row["engine_phases"]) == {"weights", "tokenizer", "compile"}
         assert sum(row["engine_phases"].values()) <= row["engine_startup_s"] + 1e-6
+        assert 0 < row["lowering_s"] <= row["engine_phases"]["compile"]
 
 
 def test_serving_launches_a_server_and_measures_streams(tmp_path):
