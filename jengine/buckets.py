@@ -89,10 +89,12 @@ def max_padding_waste(buckets: Sequence[int]) -> float:
 
 
 # A step padded to T tokens gets at least T / TOKENS_PER_SEQ_ROW sequence rows. Steps with many tokens
-# and few sequences (long prompt chunks) then pad their rows a little (extra LM-head rows cost at most
-# 1/32 of the step's matmul FLOPs for the 8B shape), and the number of (T, S) programs to compile drops
-# (38 -> 23 for the default buckets of 2048 tokens / 256 sequences).
-TOKENS_PER_SEQ_ROW = 8
+# and few sequences (long prompt chunks) then pad their rows a little (an LM-head row costs 1/13 of a
+# token's matmul FLOPs in the 8B shape, so T / 4 rows at most ~2% of the step's; plus their sampler rows),
+# and the number of (T, S) programs to compile drops: 38 with no floor, 23 with T / 8, 18 with T / 4 for
+# the default buckets of 2048 tokens / 256 sequences (cold warm-up of the 8B buckets on an H200: 69.9 s
+# with T / 8, 52.7 s with T / 4).
+TOKENS_PER_SEQ_ROW = 4
 
 
 def seq_bucket(num_seqs: int, num_tokens_padded: int, seq_buckets: Sequence[int]) -> int:

@@ -300,8 +300,8 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True, workers: int | None = None) -> int:
         """Compile every program before serving, `workers` at a time (XLA compiles without the GIL):
-        the forward per (T, S) bucket, then sampling per S in each of its variants and prompt
-        logprobs per T (their input shapes come from the forwards' outputs), and the page moves.
+        the forward per (T, S) bucket, sampling per S in each of its variants and prompt logprobs
+        per T (their input shapes come from the forwards' outputs), and the page moves.
         A program found in the executable cache is loaded instead, with no lowering and no compile.
         Every step then runs an executable made here; the KV cache is allocated once they are
         compiled. Returns the number of buckets."""
@@ -337,21 +337,20 @@ class ModelRunner:
         def compile_one(lowered, opts, key):
             return lowered.compile(opts) if key is None else cache.compile(key, lowered, opts)
 
-        # The sampling and prompt-logprob programs take the forwards' outputs; their shapes come from the
-        # traced forwards, so they are lowered while the forwards compile (not after the last one).
-        logits_of, hidden_of = {}, {}
-
+        # The forwards are traced first (cheap) for their output shapes; the sampling and prompt-logprob
+        # programs, quick to lower but each several seconds of XLA compile (the sampler's [S, V] passes),
+        # then go to the pool first, and compile while this thread lowers the forwards (~1.3 s each).
         def spec(info):
             return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=self._replicated)
 
-        def forwards():
-            for bucket in buckets:
-                ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
-                traced = self._forward.trace(self.params, caches, ints, floats, self.no_prev_ids, layout=layout)
-                _, logits, hidden = traced.out_info
-                logits_of.setdefault(bucket[1], spec(logits))
-                hidden_of.setdefault(bucket[0], spec(hidden))
-                yield ("forward", layout), traced, forward_compiler_options(bucket[0])
+        forwards, logits_of, hidden_of = [], {}, {}
+        for bucket in buckets:
+            ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
+            traced = self._forward.trace(self.params, caches, ints, floats, self.no_prev_ids, layout=layout)
+            _, logits, hidden = traced.out_info
+            logits_of.setdefault(bucket[1], spec(logits))
+            hidden_of.setdefault(bucket[0], spec(hidden))
+            forwards.append((("forward", layout), traced, forward_compiler_options(bucket[0])))
 
         def samplers():
             for s, logits in logits_of.items():
@@ -367,7 +366,7 @@ class ModelRunner:
                 yield ("prompt_logprobs", t), traced, None
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for name, compiled in build_all(itertools.chain(forwards(), samplers(), prompt_logprobs())):
+            for name, compiled in build_all(itertools.chain(samplers(), prompt_logprobs(), forwards)):
                 self._compiled[name] = compiled
                 if name[0] == "forward":
                     bar.update()

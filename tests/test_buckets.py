@@ -58,19 +58,20 @@ def test_normalize_buckets_sorts_dedups_and_appends_the_cap():
 
 def test_shape_pairs_never_pad_sequences_past_the_token_bucket():
     assert shape_pairs((16, 32, 64), (8, 16, 32)) == [
-        (16, 8), (16, 16), (32, 8), (32, 16), (32, 32), (64, 8), (64, 16), (64, 32),
+        (16, 8), (16, 16), (32, 8), (32, 16), (32, 32), (64, 16), (64, 32),
     ]
 
 
-def test_large_token_buckets_pad_sequence_rows_to_an_eighth_of_their_tokens():
-    # T = 256 -> at least 32 rows; T = 2048 -> the largest sequence bucket only.
+def test_large_token_buckets_pad_sequence_rows_to_a_quarter_of_their_tokens():
+    # T = 64 -> at least 16 rows; T = 256 -> at least 64; T = 2048 -> the largest sequence bucket only.
     assert shape_pairs((64, 256, 2048), (8, 16, 32, 64, 256)) == [
-        (64, 8), (64, 16), (64, 32), (64, 64), (256, 32), (256, 64), (256, 256), (2048, 256),
+        (64, 16), (64, 32), (64, 64), (256, 64), (256, 256), (2048, 256),
     ]
-    assert seq_bucket(1, 256, (8, 16, 32, 64, 256)) == 32
-    assert seq_bucket(40, 256, (8, 16, 32, 64, 256)) == 64
+    assert seq_bucket(1, 256, (8, 16, 32, 64, 256)) == 64
+    assert seq_bucket(70, 256, (8, 16, 32, 64, 256)) == 256
     assert seq_bucket(1, 16, (1, 8, 64)) == 8
-    assert seq_bucket(1, 8, (1, 8, 64)) == 1
+    assert seq_bucket(1, 8, (1, 8, 64)) == 8
+    assert seq_bucket(1, 4, (1, 8, 64)) == 1
     # every step's (T, S) is one of the compiled pairs
     tokens, seqs = (16, 32, 64, 128, 256), (1, 8, 64)
     pairs = set(shape_pairs(tokens, seqs))
