@@ -31,6 +31,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--compilation-cache-dir", default=None,
+                        help="JAX's and jengine's compile caches (default: the engine's); 'none' compiles afresh. "
+                             "A cached executable keeps the GEMM algorithms XLA's autotuner picked when it was built, "
+                             "so A/B runs of code variants should compile afresh (RESULTS.md, session 12)")
     parser.add_argument("--output-json", default=None)
 
 
@@ -161,7 +165,11 @@ def engine_args(args, **overrides) -> dict:
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     kw.update(overrides)
-    return {k: v for k, v in kw.items() if v is not None}
+    kw = {k: v for k, v in kw.items() if v is not None}
+    cache_dir = getattr(args, "compilation_cache_dir", None)
+    if cache_dir is not None and "compilation_cache_dir" not in overrides:
+        kw["compilation_cache_dir"] = None if cache_dir.lower() == "none" else cache_dir
+    return kw
 
 
 def build_llm(args, label: str = "", **overrides):

@@ -209,3 +209,20 @@ def test_serving_fails_loudly_when_no_request_succeeds(tmp_path):
     with pytest.raises(SystemExit, match="every request failed"):
         _run("serving", ["--base-url", f"http://127.0.0.1:{port}", "--model", "jengine/tiny-llama",
                          "--num-prompts", "3", "--input-len", "8", "--output-len", "2"], tmp_path)
+
+
+def test_engine_flags_pass_the_compilation_cache_dir_or_turn_it_off():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import argparse
+
+    from common import add_engine_flags, engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert "compilation_cache_dir" not in engine_args(parser.parse_args([]))  # the engine's default
+    assert engine_args(parser.parse_args(["--compilation-cache-dir", "none"]))["compilation_cache_dir"] is None
+    assert engine_args(parser.parse_args(["--compilation-cache-dir", "/tmp/c"]))["compilation_cache_dir"] == "/tmp/c"
+    # a benchmark's own choice (startup.py's fresh directory) wins over the flag
+    args = parser.parse_args(["--compilation-cache-dir", "none"])
+    assert engine_args(args, compilation_cache_dir="/tmp/own")["compilation_cache_dir"] == "/tmp/own"
