@@ -317,7 +317,6 @@ class ModelRunner:
         # earlier process's cache).
         def build_all(programs):
             jobs = []
-            t0 = time.perf_counter()
             for name, traced, opts in programs:
                 key = cache.key(traced, opts) if cache else None
                 stored = key is not None and cache.contains(key)
@@ -325,7 +324,7 @@ class ModelRunner:
                     jobs.append((name, traced, opts, key, stored, pool.submit(cache.load, key)))
                 else:
                     jobs.append((name, traced, opts, key, stored, pool.submit(compile_one, traced.lower(), opts, key)))
-            self.warmup_lowering_seconds = time.perf_counter() - t0
+            self.warmup_lowering_seconds = time.perf_counter() - started
             for name, traced, opts, key, stored, job in jobs:
                 compiled = job.result()
                 if stored and compiled is not None:
@@ -343,6 +342,7 @@ class ModelRunner:
         def spec(info):
             return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=self._replicated)
 
+        started = time.perf_counter()
         forwards, logits_of, hidden_of = [], {}, {}
         for bucket in buckets:
             ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
