@@ -226,3 +226,19 @@ def test_engine_flags_pass_the_compilation_cache_dir_or_turn_it_off():
     # a benchmark's own choice (startup.py's fresh directory) wins over the flag
     args = parser.parse_args(["--compilation-cache-dir", "none"])
     assert engine_args(args, compilation_cache_dir="/tmp/own")["compilation_cache_dir"] == "/tmp/own"
+
+
+def test_compile_variance_reports_each_fresh_compile(tmp_path):
+    data = _run("compile_variance", [*ENGINE, "--bucket", "16", "8", "--rounds", "1", "--alongside", "0", "1",
+                                     "--calls", "2", "--warmup-calls", "1"], tmp_path)
+    assert [(row["alongside"], row["round"]) for row in data["results"]] == [(0, 0), (1, 0)]
+    assert all(row["ms_per_call"] > 0 and row["compile_s"] > 0 for row in data["results"])
+    from compile_variance import selected_algorithms
+
+    hlo = ('%g = (bf16[256,6144]{1,0}, s8[4]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", '
+           'metadata={op_name="x"}, backend_config={"gemm_backend_config":{"epilogue":"DEFAULT",'
+           '"selected_algorithm":"7"}}\n%h = f32[2]{0} add(%c, %d)\n'
+           '%l = custom-call(%a), custom_call_target="__cublas$lt$matmul", backend_config={"selected_algorithm":"-1"}')
+    assert selected_algorithms(hlo) == [7, -1]
+    with pytest.raises(SystemExit):
+        _run("compile_variance", [*ENGINE, "--bucket", "64", "64"], tmp_path)  # not one of the buckets

@@ -1,0 +1,124 @@
+"""Does a forward program's speed depend on its compile? (XLA's GEMM autotuner times candidate
+algorithms on the device while it compiles; warm-up compiles many programs at once.)
+
+    python benchmarks/compile_variance.py --bucket 256 256 --rounds 3 --alongside 0 15 \
+        --max-model-len 1024 --max-num-seqs 256 --max-num-batched-tokens 2048 --token-buckets 256 2048 \
+        --seq-buckets 64 256
+
+Each round is a fresh process (XLA keeps its autotuning results for the process's lifetime), with no
+compilation cache. It compiles the `--bucket` (T, S) forward program while `--alongside` other forward
+programs compile beside it in a thread pool, as warm-up does (the engine's other buckets, taken in turn,
+repeated as needed). It then reports the cuBLAS algorithm XLA selected for each GEMM of that program (read
+from the compiled HLO; none on CPU) and the program's median time per call, on a padding-only input, so
+that the time is the GEMMs' and the other per-token work's, not attention's. Rounds that selected
+different algorithms, or took different times with the same ones, show the compile-to-compile spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+from common import add_engine_flags, engine_args, environment, print_table, write_json
+
+_MARK = "COMPILE_VARIANCE "
+_GEMM = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:matmul|gemm)[^"]*".*?"selected_algorithm":"?(-?\d+)')
+
+
+def selected_algorithms(hlo_text: str) -> list[int]:
+    """The cuBLAS algorithm of each GEMM custom call in a compiled module's text, in order."""
+    return [int(m.group(1)) for m in _GEMM.finditer(hlo_text)]
+
+
+def child(args) -> None:
+    import jax
+
+    from jengine.engine import LLMEngine
+    from jengine.engine_config import EngineConfig
+    from jengine.runner import forward_compiler_options, pack
+
+    config = EngineConfig(model=args.model, **engine_args(args, compilation_cache_dir=None))
+    runner = LLMEngine(config, warmup=False, progress=False).runner
+    caches = runner._kv_cache_specs()
+
+    def lowered(bucket):
+        ints, floats, layout = pack(dataclasses.replace(runner.dummy_input(*bucket), sampling=None))
+        traced = runner._forward.trace(runner.params, caches, ints, floats, runner.no_prev_ids, layout=layout)
+        return traced.lower(), forward_compiler_options(bucket[0])
+
+    target = tuple(args.bucket)
+    if target not in runner.buckets():
+        raise SystemExit(f"--bucket {target} is not one of the engine's buckets {runner.buckets()}")
+    others = [b for b in runner.buckets() if b != target] or [target]
+    (alongside,) = args.alongside  # the parent passes one value to each child
+    jobs = [lowered(target)] + [lowered(others[i % len(others)]) for i in range(alongside)]
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        compiled = [f.result() for f in [pool.submit(low.compile, opts) for low, opts in jobs]][0]
+    compile_s = time.perf_counter() - t0
+
+    runner.allocate_kv_cache()
+    ints, floats, _ = pack(dataclasses.replace(runner.dummy_input(*target), sampling=None))
+    kv = runner.kv_caches
+    times = []
+    for _ in range(args.warmup_calls + args.calls):
+        start = time.perf_counter()
+        kv, logits, _ = compiled(runner.params, kv, ints, floats, runner.no_prev_ids)
+        jax.block_until_ready(logits)
+        times.append(time.perf_counter() - start)
+    print(_MARK + json.dumps({"compile_s": compile_s, "ms_per_call": 1e3 * statistics.median(times[args.warmup_calls:]),
+                              "algorithms": selected_algorithms(compiled.as_text())}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_flags(parser)
+    parser.add_argument("--bucket", type=int, nargs=2, required=True, metavar=("T", "S"))
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per --alongside value")
+    parser.add_argument("--alongside", type=int, nargs="+", default=[0, 15],
+                        help="other forward programs compiling at the same time")
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--warmup-calls", type=int, default=3)
+    parser.add_argument("--child-timeout", type=float, default=900)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if min(args.alongside) < 0 or args.rounds < 1 or args.calls < 1 or args.warmup_calls < 0:
+        parser.error("--alongside, --warmup-calls must be >= 0 and --rounds, --calls >= 1")
+    if args.child:
+        child(args)
+        return {}
+
+    own = list(sys.argv[1:] if argv is None else argv)
+    if "--output-json" in own:  # the children print; only the parent writes the file
+        i = own.index("--output-json")
+        del own[i:i + 2]
+    rows = []
+    for alongside in args.alongside:
+        for r in range(args.rounds):
+            cmd = [sys.executable, os.path.abspath(__file__), *own, "--alongside", str(alongside), "--child"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith(_MARK)), None)
+            if proc.returncode != 0 or line is None:
+                raise SystemExit(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            result = json.loads(line[len(_MARK):])
+            rows.append({"alongside": alongside, "round": r, **result,
+                         "algorithms": " ".join(map(str, result["algorithms"])) or "-"})
+            print(f"alongside {alongside} round {r}: {result['ms_per_call']:.3f} ms per call", flush=True)
+    print_table(rows, ["alongside", "round", "compile_s", "ms_per_call", "algorithms"])
+    distinct = {row["algorithms"] for row in rows}
+    print(f"{len(distinct)} distinct algorithm selection(s) over {len(rows)} compiles")
+    payload = {"env": environment(), "args": vars(args), "results": rows}
+    write_json(args.output_json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
