@@ -71,14 +71,7 @@ def hf_in_child(script: str, argv: list[str] | None) -> list[dict]:
     import sys
     import tempfile
 
-    rest, skip = [], False
-    for a in list(sys.argv[1:] if argv is None else argv):
-        if skip:
-            skip = False
-        elif a in ("--backend", "--output-json"):
-            skip = True
-        elif not a.startswith(("--backend=", "--output-json=")):
-            rest.append(a)
+    rest = child_argv(argv, drop=("--backend", "--output-json"))
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -87,6 +80,35 @@ def hf_in_child(script: str, argv: list[str] | None) -> list[dict]:
             return json.load(f)["results"]
     finally:
         os.unlink(out)
+
+
+def child_argv(argv: list[str] | None, drop: tuple[str, ...] = ("--output-json",)) -> list[str]:
+    """This process's arguments (`sys.argv` when `argv` is None) less the `drop` flags with their values
+    (`--flag value` or `--flag=value`), to hand to a child process (e.g. only the parent writes the JSON)."""
+    import sys
+
+    rest, skip = [], False
+    for a in list(sys.argv[1:] if argv is None else argv):
+        if skip:
+            skip = False
+        elif a in drop:
+            skip = True
+        elif not a.startswith(tuple(f"{flag}=" for flag in drop)):
+            rest.append(a)
+    return rest
+
+
+def run_marked_child(cmd: list[str], mark: str, timeout: float) -> dict:
+    """Run `cmd` and return the JSON its stdout printed after `mark` on one line; a child that fails or
+    prints no such line stops the benchmark with the tails of its output."""
+    import os
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(mark)), None)
+    if proc.returncode != 0 or line is None:
+        raise SystemExit(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(line[len(mark):])
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -23,11 +23,10 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 
-from common import add_engine_flags, engine_args, environment, print_table, write_json
+from common import add_engine_flags, child_argv, engine_args, environment, print_table, run_marked_child, write_json
 
 _MARK = "COMPILE_VARIANCE "
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:matmul|gemm)[^"]*".*?"selected_algorithm":"?(-?\d+)')
@@ -96,19 +95,12 @@ def main(argv: list[str] | None = None) -> dict:
         child(args)
         return {}
 
-    own = list(sys.argv[1:] if argv is None else argv)
-    if "--output-json" in own:  # the children print; only the parent writes the file
-        i = own.index("--output-json")
-        del own[i:i + 2]
+    own = child_argv(argv)  # the children print; only the parent writes the file
     rows = []
     for alongside in args.alongside:
         for r in range(args.rounds):
             cmd = [sys.executable, os.path.abspath(__file__), *own, "--alongside", str(alongside), "--child"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith(_MARK)), None)
-            if proc.returncode != 0 or line is None:
-                raise SystemExit(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            result = json.loads(line[len(_MARK):])
+            result = run_marked_child(cmd, _MARK, args.child_timeout)
             rows.append({"alongside": alongside, "round": r, **result,
                          "algorithms": " ".join(map(str, result["algorithms"])) or "-"})
             print(f"alongside {alongside} round {r}: {result['ms_per_call']:.3f} ms per call", flush=True)

@@ -19,12 +19,20 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-from common import CompileCounter, add_engine_flags, build_llm, environment, print_table, write_json
+from common import (
+    CompileCounter,
+    add_engine_flags,
+    build_llm,
+    child_argv,
+    environment,
+    print_table,
+    run_marked_child,
+    write_json,
+)
 
 _MARK = "STARTUP_RESULT "
 
@@ -86,12 +94,7 @@ def child(args) -> None:
 def run_child(argv: list[str], cache_dir: str, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", "--cache-dir", cache_dir]
     spawn = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    line = next((x for x in proc.stdout.splitlines() if x.startswith(_MARK)), None)
-    if proc.returncode != 0 or line is None:
-        raise SystemExit(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    result = json.loads(line[len(_MARK):])
+    result = run_marked_child(cmd, _MARK, timeout)
     result["first_token_s"] = result.pop("first_token_wall") - spawn
     # seconds per phase: process start + script imports, jax + jengine imports, GPU client, engine, first request
     marks, last = result.pop("marks"), spawn
@@ -118,10 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         child(args)
         return {}
 
-    own = list(sys.argv[1:] if argv is None else argv)
-    if "--output-json" in own:  # the children print; only the parent writes the file
-        i = own.index("--output-json")
-        del own[i:i + 2]
+    own = child_argv(argv)  # the children print; only the parent writes the file
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="jengine-xla-cache-")
     if args.cache_dir is None or not os.listdir(cache_dir):
         print(f"compilation cache: {cache_dir} (empty)")
