@@ -46,12 +46,9 @@ def child(args) -> None:
 
     config = EngineConfig(model=args.model, **engine_args(args, compilation_cache_dir=None))
     runner = LLMEngine(config, warmup=False, progress=False).runner
-    caches = runner._kv_cache_specs()
 
     def lowered(bucket):
-        ints, floats, layout = pack(dataclasses.replace(runner.dummy_input(*bucket), sampling=None))
-        traced = runner._forward.trace(runner.params, caches, ints, floats, runner.no_prev_ids, layout=layout)
-        return traced.lower(), forward_compiler_options(bucket[0])
+        return runner.trace_forward(bucket)[1].lower(), forward_compiler_options(bucket[0])
 
     target = tuple(args.bucket)
     if target not in runner.buckets():

@@ -255,6 +255,14 @@ class ModelRunner:
         spec = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self._cache_sharding)
         return [spec] * self.cfg.num_hidden_layers
 
+    def trace_forward(self, bucket: tuple[int, int]) -> tuple[tuple, jax.stages.Traced]:
+        """The forward program of a (T, S) bucket, traced (on the cache's shapes before it is allocated):
+        its key in the compiled programs, and the traced program."""
+        caches = self.kv_caches if self.kv_caches is not None else self._kv_cache_specs()
+        ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
+        return ("forward", layout), self._forward.trace(self.params, caches, ints, floats, self.no_prev_ids,
+                                                        layout=layout)
+
     def buckets(self) -> list[tuple[int, int]]:
         """Every (T, S) pair a step can be padded to: S sequences need at least S tokens."""
         return shape_pairs(self.ecfg.token_buckets, self.ecfg.seq_buckets)
@@ -306,7 +314,6 @@ class ModelRunner:
         Every step then runs an executable made here; the KV cache is allocated once they are
         compiled. Returns the number of buckets."""
         buckets = self.buckets()
-        caches = self.kv_caches if self.kv_caches is not None else self._kv_cache_specs()
         workers = workers or max(1, min(16, os.cpu_count() or 1))
         bar = tqdm(total=len(buckets), desc="Compiling buckets", disable=not progress)
         cache = self.executable_cache
@@ -345,12 +352,11 @@ class ModelRunner:
         started = time.perf_counter()
         forwards, logits_of, hidden_of = [], {}, {}
         for bucket in buckets:
-            ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
-            traced = self._forward.trace(self.params, caches, ints, floats, self.no_prev_ids, layout=layout)
+            name, traced = self.trace_forward(bucket)
             _, logits, hidden = traced.out_info
             logits_of.setdefault(bucket[1], spec(logits))
             hidden_of.setdefault(bucket[0], spec(hidden))
-            forwards.append((("forward", layout), traced, forward_compiler_options(bucket[0])))
+            forwards.append((name, traced, forward_compiler_options(bucket[0])))
 
         def samplers():
             for s, logits in logits_of.items():

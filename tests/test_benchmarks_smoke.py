@@ -242,3 +242,16 @@ def test_compile_variance_reports_each_fresh_compile(tmp_path):
     assert selected_algorithms(hlo) == [7, -1]
     with pytest.raises(SystemExit):
         _run("compile_variance", [*ENGINE, "--bucket", "64", "64"], tmp_path)  # not one of the buckets
+
+
+def test_compile_probe_times_the_warmups_compiles_per_program_kind(tmp_path):
+    from jengine import buckets
+
+    args = ["--model", "jengine/tiny-llama", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--workers", "2"]
+    data = _run("compile_probe", [*args, "--warmup", "--tokens-per-seq-row", "8"], tmp_path)
+    assert buckets.TOKENS_PER_SEQ_ROW == 4  # the override lasts for the run only
+    assert set(data["kinds"]) == {"jit(_forward)", "jit(_sample)", "jit(_prompt_logprobs)"}
+    assert sum(kind["n"] for kind in data["kinds"].values()) == data["compiles"]
+    assert 0 < data["lowering_s"] <= data["warmup_s"]
+    data = _run("compile_probe", [*args, "--token-buckets", "16", "32", "--seq-buckets", "8"], tmp_path)
+    assert data["one"]["bucket"] == [16, 8] and data["rest"]["buckets"] == 1
