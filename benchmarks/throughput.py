@@ -46,14 +46,18 @@ def run_jengine(args, requests) -> dict:
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine.scheduler.block_manager.reset_prefix_cache()
     steps0, preempt0 = engine.stats["steps"], engine.stats["preemptions"]
+    timings0 = dict(engine.timings)
     engine.step_log = [] if args.step_log else None
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     if args.step_log:
         summarize_steps(engine.step_log, start, args.step_log)
+    steps = engine.stats["steps"] - steps0
+    host = {k: 1e3 * (v - timings0.get(k, 0.0)) / max(steps, 1) for k, v in engine.timings.items()}
+    print("host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
     return {"backend": "jengine", "elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "steps": engine.stats["steps"] - steps0, "preemptions": engine.stats["preemptions"] - preempt0}
+            "steps": steps, "preemptions": engine.stats["preemptions"] - preempt0, "host_ms_per_step": host}
 
 
 def step_kind(entry: dict) -> str:
@@ -67,7 +71,9 @@ def summarize_steps(log: list[dict], start: float, path: str) -> None:
 
     A step's time is the gap between its result reaching the host and the previous step's: the engine
     launches step N+1 before it waits for step N, so while the device is the bottleneck that gap is
-    step N's device time (a gap the host caused shows up in it too)."""
+    step N's device time (a gap the host caused shows up in it too). The host's share per step: host_ms
+    (scheduling to launch), wait_ms (blocked on the results: near 0 when the host is the bottleneck)
+    and update_ms (applying them)."""
     prev = start
     for entry in log:
         entry["seconds"], prev = entry["done"] - prev, entry["done"]
@@ -80,8 +86,11 @@ def summarize_steps(log: list[dict], start: float, path: str) -> None:
         rows.append({"kind": kind, "T": t, "S": s, "steps": len(entries), "seconds": secs,
                      "ms_per_step": 1e3 * secs / len(entries),
                      "mean_tokens": sum(e["tokens"] for e in entries) / len(entries),
-                     "mean_decodes": sum(e["decodes"] for e in entries) / len(entries)})
-    print_table(rows, ["kind", "T", "S", "steps", "seconds", "ms_per_step", "mean_tokens", "mean_decodes"])
+                     "mean_decodes": sum(e["decodes"] for e in entries) / len(entries),
+                     **{f"{k}_ms": 1e3 * sum(e[f"{k}_s"] for e in entries) / len(entries)
+                        for k in ("host", "wait", "update")}})
+    print_table(rows, ["kind", "T", "S", "steps", "seconds", "ms_per_step", "mean_tokens", "mean_decodes",
+                       "host_ms", "wait_ms", "update_ms"])
     write_json(path, {"steps": log, "summary": rows})
 
 

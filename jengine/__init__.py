@@ -83,6 +83,7 @@ else:
 _LAZY = {
     "LLM": "jengine.llm",
     "SamplingParams": "jengine.sampling_params",
+    "RequestOutputKind": "jengine.sampling_params",
     "RequestOutput": "jengine.outputs",
     "CompletionOutput": "jengine.outputs",
 }

@@ -26,7 +26,7 @@ from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, build_step_input, to_host
 from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES, SamplingRow, build_sampling_tensors
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams
 from jengine.scheduler import Scheduler, SchedulerOutput
 from jengine.sharding import log_memory, make_mesh, sharded_model_config
 from jengine.tokenizer import load_tokenizer
@@ -39,11 +39,13 @@ class _Child:
     """One of the n sequences of a request: its scheduler request, detokenizer and logprobs."""
 
     request: Request
+    group_id: str
     detok: IncrementalDetokenizer | None
     rng_counter: int
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
+    sent_tokens: int = 0  # output tokens already returned (DELTA outputs)
 
 
 @dataclasses.dataclass
@@ -54,6 +56,7 @@ class _Group:
     params: SamplingParams
     children: list[_Child]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position; [0] is None
+    sent_any: bool = False  # an output was returned (DELTA: prompt logprobs go with the first only)
 
 
 def _kv_memory_report(mem: dict | None, kv_caches) -> dict | None:
@@ -134,7 +137,7 @@ class LLMEngine:
         logger.info("engine start-up %.1fs: %s", self.startup_seconds,
                     ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_phases.items()))
         self._groups: dict[str, _Group] = {}
-        self._child_to_group: dict[str, str] = {}
+        self._children: dict[str, _Child] = {}  # by the child's (scheduler) request id
         self._rng_counter = 0
         self._inflight = None  # (SchedulerOutput, SamplerOutput, next ids) of the step running on the device
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of step()
@@ -191,10 +194,10 @@ class LLMEngine:
             request = Request(child_id, ids, child_params, arrival_time=arrival, priority=priority)
             self.scheduler.add_request(request)  # validates lengths; raises before anything is kept
             detok = IncrementalDetokenizer(self.tokenizer, child_params, ids) if self.tokenizer else None
-            children.append(_Child(request, detok, self._rng_counter,
+            children.append(_Child(request, request_id, detok, self._rng_counter,
                                    [] if params.logprobs is not None else None))
             self._rng_counter += 1
-            self._child_to_group[child_id] = request_id
+        self._children.update((c.request.request_id, c) for c in children)
         group = _Group(request_id, text, ids, params, children)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
@@ -221,7 +224,7 @@ class LLMEngine:
             return
         for child in group.children:
             self.scheduler.abort(child.request.request_id)
-            self._child_to_group.pop(child.request.request_id, None)
+            self._children.pop(child.request.request_id, None)
 
     def num_unfinished_requests(self) -> int:
         return len(self._groups)
@@ -260,7 +263,7 @@ class LLMEngine:
             self.stats["preemptions"] += len(sched.preempted)
             self.stats["computed_prompt_tokens"] += prompt_tokens
             if self.step_log is not None:
-                self._log_step(sched, inp, prompt_tokens)
+                self._log_step(sched, inp, prompt_tokens, host_s=clock() - t0)
         if inflight is not None:
             outputs += self._resolve(*inflight)
         if launched is not None:
@@ -284,29 +287,36 @@ class LLMEngine:
         if pending[1] is not None:  # this step computed prompt logprobs
             self._record_prompt_logprobs(sched, to_host(pending[1]))
         t1 = time.perf_counter()
-        if self._unresolved_log:
-            self._unresolved_log.popleft()["done"] = t1
+        logged = self._unresolved_log.popleft() if self._unresolved_log else {}
+        logged["done"], logged["wait_s"] = t1, t1 - t0
         finished = {r.request_id for r in self.scheduler.resolve(sched, result.next_ids.tolist())}
-        touched = []
+        sampled_logprobs = result.sampled_logprobs.tolist()
+        touched: dict[str, _Group] = {}  # in batch order
+        recorded = 0
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
-            group_id = self._child_to_group.get(request.request_id)
-            if not entry.produces_token or group_id is None:
+            child = self._children.get(request.request_id)
+            if not entry.produces_token or child is None:
                 continue
             if request.is_finished and request.request_id not in finished:
                 continue  # ended in an earlier step; this row ran ahead of that news
-            self.stats["generation_tokens"] += 1
-            child = next(c for c in self._groups[group_id].children if c.request is request)
-            self._record_token(child, result, i, request.request_id in finished)
-            if group_id not in touched:
-                touched.append(group_id)
-        outputs = [self._make_output(gid) for gid in touched]
+            self._record_token(child, result, i, sampled_logprobs[i], request.request_id in finished)
+            touched[child.group_id] = self._groups[child.group_id]
+            recorded += 1
+        self.stats["generation_tokens"] += recorded
+        outputs = [self._make_output(gid) for gid, group in touched.items()
+                   if group.params.output_kind is not RequestOutputKind.FINAL_ONLY
+                   or all(c.request.is_finished for c in group.children)]
+        logged["update_s"] = time.perf_counter() - t1
         self.timings["wait"] += t1 - t0
-        self.timings["update"] += time.perf_counter() - t1
+        self.timings["update"] += logged["update_s"]
         return outputs
 
-    def _log_step(self, sched: SchedulerOutput, inp, prompt_tokens: int) -> None:
-        entry = {"tokens": sched.num_scheduled_tokens, "seqs": len(sched.scheduled),
+    def _log_step(self, sched: SchedulerOutput, inp, prompt_tokens: int, host_s: float) -> None:
+        """One step's shape, and its host seconds: scheduling to launch (`host_s`, here); when resolved,
+        blocked on its results (`wait_s`: near 0 where the host, not the device, is the bottleneck) and
+        applying them (`update_s`)."""
+        entry = {"host_s": host_s, "tokens": sched.num_scheduled_tokens, "seqs": len(sched.scheduled),
                  "padded_tokens": int(inp.model.token_ids.shape[0]), "padded_seqs": int(inp.logits_indices.shape[0]),
                  "prompt_tokens": prompt_tokens, "decodes": sum(e.num_new_tokens == 1 and e.produces_token
                                                                  for e in sched.scheduled)}
@@ -335,7 +345,7 @@ class LLMEngine:
                 prompt_tokens += entry.num_new_tokens
             rows.append((entry.token_ids, entry.start_position, entry.block_table,
                          prev_rows.get(request.request_id, -1), self._prompt_targets(entry)))
-            child = self._child(request.request_id)
+            child = self._children.get(request.request_id)
             sampling_rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids,
                                              request.output_token_ids, child.rng_counter if child else 0))
         sampling = build_sampling_tensors(sampling_rows, num_seqs, self.model_config.vocab_size,
@@ -346,7 +356,8 @@ class LLMEngine:
     def _prompt_targets(self, entry) -> list[int] | None:
         """Next prompt token after each of the entry's tokens, for a request that wants prompt logprobs."""
         request = entry.request
-        group = self._groups.get(self._child_to_group.get(request.request_id, ""))
+        child = self._children.get(request.request_id)
+        group = None if child is None else self._groups.get(child.group_id)
         if group is None or group.prompt_logprobs is None or group.children[0].request is not request:
             return None
         prompt = request.prompt_token_ids
@@ -360,7 +371,7 @@ class LLMEngine:
         for entry in sched.scheduled:
             targets = self._prompt_targets(entry)
             if targets is not None:
-                group = self._groups[self._child_to_group[entry.request.request_id]]
+                group = self._groups[self._children[entry.request.request_id].group_id]
                 k = group.params.prompt_logprobs
                 for j, target in enumerate(targets):
                     if target >= 0:
@@ -368,16 +379,12 @@ class LLMEngine:
                             target, float(plp.token_logprobs[t + j]), plp.topk_ids[t + j], plp.topk_logprobs[t + j], k)
             t += entry.num_new_tokens
 
-    def _child(self, request_id: str) -> _Child | None:
-        group = self._groups.get(self._child_to_group.get(request_id, ""))
-        return None if group is None else next(c for c in group.children if c.request.request_id == request_id)
-
-    def _record_token(self, child: _Child, result, row: int, finished: bool) -> None:
+    def _record_token(self, child: _Child, result, row: int, logprob: float, finished: bool) -> None:
         request = child.request
         token = request.output_token_ids[-1]
-        child.cumulative_logprob += float(result.sampled_logprobs[row])
+        child.cumulative_logprob += logprob
         if child.logprobs is not None:
-            child.logprobs.append(_logprob_entry(token, float(result.sampled_logprobs[row]), result.topk_ids[row],
+            child.logprobs.append(_logprob_entry(token, logprob, result.topk_ids[row],
                                                  result.topk_logprobs[row], request.sampling_params.logprobs))
         if finished and request.stop_reason is not None:
             child.stop_reason = request.stop_reason
@@ -388,23 +395,31 @@ class LLMEngine:
                 child.stop_reason = stop_str
 
     def _make_output(self, group_id: str) -> RequestOutput:
+        """The group's output, of its `output_kind`: DELTA carries only the text, tokens and logprobs
+        new since the group's last output (the prompt logprobs with the first); the others carry all."""
         group = self._groups[group_id]
+        delta = group.params.output_kind is RequestOutputKind.DELTA
         outputs = []
         for i, child in enumerate(group.children):
             request = child.request
-            text = child.detok.get_next_output_text(request.is_finished, delta=False) if child.detok else ""
+            text = child.detok.get_next_output_text(request.is_finished, delta=delta) if child.detok else ""
+            first = child.sent_tokens if delta else 0
+            child.sent_tokens = len(request.output_token_ids)
             outputs.append(CompletionOutput(
-                index=i, text=text, token_ids=list(request.output_token_ids),
+                index=i, text=text, token_ids=list(request.output_token_ids[first:]),
                 cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
-                logprobs=child.logprobs, finish_reason=request.finish_reason, stop_reason=child.stop_reason))
+                logprobs=None if child.logprobs is None else child.logprobs[first:] if delta else child.logprobs,
+                finish_reason=request.finish_reason, stop_reason=child.stop_reason))
         finished = all(o.finish_reason is not None for o in outputs)
         metrics = group.children[0].request.metrics
+        prompt_logprobs = None if delta and group.sent_any else group.prompt_logprobs
+        group.sent_any = True
         out = RequestOutput(request_id=group_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-                            outputs=outputs, finished=finished, metrics=metrics, prompt_logprobs=group.prompt_logprobs)
+                            outputs=outputs, finished=finished, metrics=metrics, prompt_logprobs=prompt_logprobs)
         if finished:
             del self._groups[group_id]
             for child in group.children:
-                self._child_to_group.pop(child.request.request_id, None)
+                self._children.pop(child.request.request_id, None)
         return out
 
 

@@ -12,7 +12,7 @@ from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
 from jengine.outputs import RequestOutput
 from jengine.presets import DEFAULT_MODEL
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -56,9 +56,15 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        final_only = {}  # one copy per distinct params: only the finished output is read here
         try:
             for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
-                self.engine.add_request(rid, prompt, sp, priority=0 if priority is None else priority[i])
+                if not isinstance(sp, SamplingParams):
+                    raise ValueError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
+                if id(sp) not in final_only:
+                    final_only[id(sp)] = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(rid, prompt, final_only[id(sp)],
+                                        priority=0 if priority is None else priority[i])
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +30,13 @@ _WAIT_MS = 60_000  # one blocking get; renewed while the leader is idle
 
 
 def encode_params(params: SamplingParams) -> dict:
-    """Every field of the params as JSON-safe data (logit_bias keys become strings; decoding restores them)."""
-    return dataclasses.asdict(params)
+    """Every field of the params as JSON-safe data (logit_bias keys become strings, the output kind
+    its name; decoding restores them)."""
+    return {**dataclasses.asdict(params), "output_kind": params.output_kind.name}
 
 
 def decode_params(data: dict) -> SamplingParams:
-    return SamplingParams(**data)
+    return SamplingParams(**{**data, "output_kind": RequestOutputKind[data["output_kind"]]})
 
 
 class Channel:

@@ -130,8 +130,17 @@ def build_sampling_tensors(
     wants_logprobs = np.zeros(S, bool)
     engine_words = _seed_words(engine_seed)
 
-    for i, row in enumerate(rows):
-        p, prompt_ids, output_ids, counter = SamplingRow(*row)
+    rows = [SamplingRow(*row) for row in rows]
+    n = len(rows)
+    # Per-row scalars every row has, set in one assignment each; the rest only for rows that use them.
+    num_out = [len(r.output_ids) for r in rows]
+    if n:
+        step[:n] = num_out
+        wants_logprobs[:n] = [r.params.logprobs is not None for r in rows]
+        seeded = [r.params.seed is not None for r in rows]
+        key_words[:n] = [_seed_words(r.params.seed) if s else engine_words for r, s in zip(rows, seeded)]
+        stream[:n] = [0 if s else (r.rng_counter + 1) & _U32 for r, s in zip(rows, seeded)]
+    for i, (p, prompt_ids, output_ids, _) in enumerate(rows):
         if not p.is_greedy:
             greedy[i] = False
             temperature[i] = p.temperature
@@ -142,8 +151,10 @@ def build_sampling_tensors(
             repetition[i] = p.repetition_penalty
             ids, counts = _penalty_window(prompt_ids, output_ids, V, W)
             penalty_ids[i, : len(ids)], penalty_counts[i, : len(ids)] = ids, counts
+        if not p.logit_bias and num_out[i] >= p.min_tokens:
+            continue
         entries: dict[int, float] = dict(p.logit_bias)
-        if len(output_ids) < p.min_tokens:
+        if num_out[i] < p.min_tokens:
             entries.update((t, -np.inf) for t in p.all_stop_token_ids(eos_token_ids))
         if len(entries) > B:
             raise ValueError(f"row {i}: {len(entries)} logit_bias/min_tokens entries exceed the cap {B}")
@@ -153,13 +164,6 @@ def build_sampling_tensors(
                 raise ValueError(f"logit_bias/stop_token_ids contain out-of-vocab token ids {bad[:5]} (V={V})")
             bias_ids[i, : len(entries)] = list(entries)
             bias_values[i, : len(entries)] = list(entries.values())
-        if p.seed is not None:
-            key_words[i] = _seed_words(p.seed)
-        else:
-            key_words[i] = engine_words
-            stream[i] = (counter + 1) & _U32
-        step[i] = len(output_ids) & _U32
-        wants_logprobs[i] = p.logprobs is not None
 
     return SamplingTensors(
         temperature=temperature, greedy=greedy, top_k=top_k, top_p=top_p, min_p=min_p,

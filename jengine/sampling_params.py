@@ -11,6 +11,7 @@ what is allowed, so that nothing past this point has to handle a bad option.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 # Below this temperature a request is greedy (argmax), as in vLLM (`_SAMPLING_EPS`).
@@ -21,6 +22,16 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300
 # vLLM clamps logit_bias values to this range (OpenAI documents [-100, 100]).
 LOGIT_BIAS_LIMIT = 100.0
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs `LLMEngine.step()` returns for a request (vLLM's names): every step's cumulative
+    text and tokens, only what is new since the last output, or one output when it finishes (what
+    `LLM.generate` asks for: no per-step copies of every sequence's tokens)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(x: Any) -> bool:
@@ -62,6 +73,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -140,6 +152,9 @@ class SamplingParams:
         for tok in self.logit_bias:
             if tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            kinds = ", ".join(k.name for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be a RequestOutputKind ({kinds}), got {self.output_kind!r}")
 
     # ------------------------------------------------------------------ derived
 

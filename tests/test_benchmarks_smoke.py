@@ -52,6 +52,8 @@ def test_throughput_step_log_accounts_for_every_token(tmp_path):
     assert sum(e["tokens"] - e["prompt_tokens"] for e in steps) == 8 * 4  # the first token comes from prefill
     assert all(e["tokens"] <= e["padded_tokens"] in (16, 64) and e["seqs"] <= e["padded_seqs"] for e in steps)
     assert all(e["seconds"] > 0 for e in steps)
+    assert all(e[k] >= 0 for e in steps for k in ("host_s", "wait_s", "update_s"))
+    assert all(r["host_ms"] > 0 for r in log["summary"])
     kinds = {r["kind"] for r in log["summary"]}
     assert kinds == {"prefill", "mixed", "decode"}
     assert sum(r["steps"] for r in log["summary"]) == len(steps)

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from jengine import LLM, SamplingParams
+from jengine import LLM, RequestOutputKind, SamplingParams
 from jengine.generate import greedy_generate, prompt_logits
 from jengine.loader import load_model
 
@@ -164,6 +164,30 @@ def test_logprobs_are_returned_per_token(llm):
     assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
 
 
+def test_output_kinds_cumulative_delta_and_final_only(llm):
+    engine = llm.engine
+    prompt, expected = HF_CASES[0]
+    outs = {kind.name: [] for kind in RequestOutputKind}
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1,
+                                                             prompt_logprobs=1, output_kind=kind))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    cumulative, delta, final = outs["CUMULATIVE"], outs["DELTA"], outs["FINAL_ONLY"]
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == expected
+    assert len(cumulative) == len(delta) > 2 and cumulative[-1].outputs[0].token_ids == expected
+    assert all(not o.finished for o in cumulative[:-1]) and cumulative[-1].finished and delta[-1].finished
+    for a, b in zip(cumulative[:-1], cumulative[1:]):  # each output extends the last
+        assert b.outputs[0].token_ids[: len(a.outputs[0].token_ids)] == a.outputs[0].token_ids
+    assert sum((o.outputs[0].token_ids for o in delta), []) == expected
+    assert sum((o.outputs[0].logprobs for o in delta), []) == cumulative[-1].outputs[0].logprobs
+    assert "".join(o.outputs[0].text for o in delta) == cumulative[-1].outputs[0].text == final[0].outputs[0].text
+    assert delta[0].prompt_logprobs == final[0].prompt_logprobs and len(final[0].prompt_logprobs) == len(prompt)
+    assert all(o.prompt_logprobs is None for o in delta[1:])
+    _assert_no_leak(llm)
+
+
 def test_over_long_prompt_and_bad_params_raise_clear_errors(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[1] * 200], GREEDY16, use_tqdm=False)
@@ -177,6 +201,10 @@ def test_over_long_prompt_and_bad_params_raise_clear_errors(llm):
         llm.generate([[1, 2]], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ValueError, match="unknown LLM argument"):
         LLM(FIXTURE, not_an_arg=1)
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="final")
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([[1, 2]], [{"temperature": 0}], use_tqdm=False)
     _assert_no_leak(llm)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from jengine import cli
 from jengine.multihost_serving import Channel, LeaderEngine, decode_params, encode_params, follow
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class FakeStore:
@@ -79,7 +79,8 @@ RICH = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed
 
 
 def test_sampling_params_cross_the_channel_unchanged():
-    for params in (RICH, SamplingParams(), SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)):
+    delta = SamplingParams(output_kind=RequestOutputKind.DELTA)
+    for params in (RICH, SamplingParams(), SamplingParams(temperature=0, ignore_eos=True, max_tokens=None), delta):
         assert decode_params(json.loads(json.dumps(encode_params(params)))) == params
 
 
