@@ -24,7 +24,7 @@ from typing import Any
 from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
 from jengine.outputs import RequestOutput
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ class AsyncLLM:
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        *, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs of one request until it finishes.
+        """Stream outputs of one request until it finishes (of the params' `output_kind`: cumulative by
+        default; when several cumulative outputs are waiting, only the newest is yielded).
 
         Errors the request causes (ValueError from validation) and engine failures are raised here.
         Leaving the iteration early (break, cancellation, client gone) aborts the request.
@@ -120,11 +121,13 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, prompt, params, priority))
         finished = False
+        coalesce = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE) is RequestOutputKind.CUMULATIVE
         try:
             while True:
                 item = await self._next(stream)
-                # Outputs are cumulative: when several are queued, only the newest matters.
-                while not stream.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+                # Cumulative outputs: when several are queued, only the newest matters.
+                while (coalesce and not stream.queue.empty() and isinstance(item, RequestOutput)
+                       and not item.finished):
                     item = stream.queue.get_nowait()
                 if item is _ABORTED:
                     finished = True

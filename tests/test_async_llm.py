@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jengine import LLM, SamplingParams
+from jengine import LLM, RequestOutputKind, SamplingParams
 from jengine.async_llm import AsyncLLM, EngineDeadError
 from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
@@ -65,6 +65,27 @@ def test_generate_streams_cumulative_outputs_matching_the_offline_engine(llm, en
     llm.shutdown()
     expected = offline.generate(["Hello", "abc"], GREEDY, use_tqdm=False)
     assert [r[-1].outputs[0].token_ids for r in results] == [e.outputs[0].token_ids for e in expected]
+
+
+def test_delta_outputs_are_never_coalesced_and_final_only_yields_once(llm, engine):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def slow_reader(kind):  # lets several outputs queue up between reads
+        outs = []
+        async for out in llm.generate("Hello", params.clone(output_kind=kind), f"kind-{kind.name}"):
+            outs.append(out)
+            await asyncio.sleep(0.02)
+        return outs
+
+    async def main():
+        return await asyncio.gather(*(slow_reader(kind) for kind in RequestOutputKind))
+
+    cumulative, delta, final = asyncio.run(main())
+    full = cumulative[-1].outputs[0]
+    assert len(full.token_ids) == 24 and len(final) == 1 and final[0].outputs[0].token_ids == full.token_ids
+    assert sum((o.outputs[0].token_ids for o in delta), []) == full.token_ids
+    assert "".join(o.outputs[0].text for o in delta) == full.text == final[0].outputs[0].text
+    assert _pages_all_free(engine)
 
 
 def test_breaking_out_of_a_stream_aborts_the_request_and_frees_its_pages(llm, engine, slow_steps):

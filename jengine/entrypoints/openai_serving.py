@@ -17,7 +17,7 @@ from jengine.async_llm import AsyncLLM
 from jengine.entrypoints.errors import APIError
 from jengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, check_fits_engine
 from jengine.outputs import CompletionOutput, RequestOutput
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams
 
 _DONE = object()
 
@@ -86,10 +86,12 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
 
     def _params(self, req) -> SamplingParams:
+        """The request's sampling params. A response that is not streamed reads only the finished output,
+        so the engine is asked for that one alone (no per-step outputs to copy and hand across threads)."""
         params = req.to_sampling_params()
         check_fits_engine(params, self.model_config.vocab_size, self.model_config.eos_token_ids,
                           self.engine_config.max_num_seqs)
-        return params
+        return params if req.stream else params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
 
     def token_str(self, tid: int, as_id: bool = False) -> str:
         if as_id:
