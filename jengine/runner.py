@@ -28,7 +28,15 @@ from jengine.engine_config import EngineConfig
 from jengine.executable_cache import ExecutableCache
 from jengine.models import ModelInput, get_model_family
 from jengine.request import PLACEHOLDER
-from jengine.sampler import SamplingTensors, build_sampling_tensors, compute_logprobs, sample, sampler_switches
+from jengine.sampler import (
+    SamplerSwitches,
+    SamplingTensors,
+    build_sampling_tensors,
+    compute_logprobs,
+    program_inputs,
+    sample,
+    sampler_switches,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +109,7 @@ def pack(inp: StepInput) -> tuple[np.ndarray, np.ndarray, tuple]:
         elif a.dtype == np.uint32:
             ints.append(a.ravel().view(np.int32))
         else:
-            ints.append(a.ravel().astype(np.int32))
+            ints.append(a.ravel().astype(np.int32, copy=False))
         spec.append((a.shape, a.dtype.str))
     as_buffer = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(1, dtype)  # noqa: E731
     return as_buffer(ints, np.int32), as_buffer(floats, np.float32), (treedef, tuple(spec))
@@ -280,7 +288,7 @@ class ModelRunner:
         ints, floats, layout = pack(dataclasses.replace(inp, sampling=None))
         self.kv_caches, logits, hidden = self._program("forward", layout)(self.params, self.kv_caches, ints,
                                                                           floats, prev)
-        s_ints, s_floats, s_layout = pack(sampling)
+        s_ints, s_floats, s_layout = pack(program_inputs(sampling, switches))
         out, next_ids = self._program("sample", s_layout, *switches)(logits, s_ints, s_floats)
         plp = None
         if prompt_logprobs:
@@ -360,8 +368,9 @@ class ModelRunner:
 
         def samplers():
             for s, logits in logits_of.items():
-                s_ints, s_floats, s_layout = pack(build_sampling_tensors([], s, self.cfg.vocab_size))
+                tensors = build_sampling_tensors([], s, self.cfg.vocab_size)
                 for filters, random, top in SAMPLER_VARIANTS:
+                    s_ints, s_floats, s_layout = pack(program_inputs(tensors, SamplerSwitches(filters, random, top)))
                     traced = self._sample.trace(logits, s_ints, s_floats, layout=s_layout, filters=filters,
                                                 random=random, top_logprobs=top)
                     yield ("sample", s_layout, filters, random, top), traced, None

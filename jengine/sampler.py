@@ -194,6 +194,19 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     return SamplerSwitches(filters, random, bool(np.any(t.wants_logprobs)))
 
 
+# The tables only the general (`random`) program reads: at S=256 they are ~2.7 MB a step to pack and copy.
+_ADJUST_TABLES = ("penalty_ids", "penalty_output_counts", "bias_ids", "bias_values")
+
+
+def program_inputs(t: SamplingTensors, switches: SamplerSwitches) -> SamplingTensors:
+    """The numpy tensors the sampling program of `switches` takes: without `random` (which alone applies
+    logit_bias, min_tokens suppression and penalties) the bias and penalty tables are left out ([S, 0])."""
+    if switches.random:
+        return t
+    rows = np.asarray(t.temperature).shape[0]
+    return dataclasses.replace(t, **{f: np.zeros((rows, 0), np.asarray(getattr(t, f)).dtype) for f in _ADJUST_TABLES})
+
+
 def _penalty_window(prompt_ids, output_ids, V: int, W: int) -> tuple[np.ndarray, np.ndarray]:
     """Unique ids of prompt+output (output first, by count) with their output counts, at most W."""
     out = np.asarray(output_ids, np.int64)

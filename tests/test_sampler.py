@@ -277,3 +277,18 @@ def test_greedy_rows_with_logit_bias_or_penalties_follow_them_in_the_general_pro
     out = jax.jit(functools.partial(sample, filters=switches.filters, random=switches.random,
                                     top_logprobs=switches.top_logprobs))(logits, t)
     assert np.asarray(out.next_ids).tolist() == [2, 1, 0]
+
+
+def test_program_inputs_leave_out_the_bias_and_penalty_tables_only_where_no_program_reads_them():
+    from jengine.sampler import SamplerSwitches, program_inputs
+
+    t = build_sampling_tensors([SamplingRow(P(temperature=0.0), [1, 2], [3])], 4, 32)
+    general = program_inputs(t, SamplerSwitches(filters=False, random=True, top_logprobs=False))
+    assert general is t
+    greedy = program_inputs(t, SamplerSwitches(filters=False, random=False, top_logprobs=True))
+    for name in ("penalty_ids", "penalty_output_counts", "bias_ids", "bias_values"):
+        assert getattr(greedy, name).shape == (4, 0) and getattr(greedy, name).dtype == getattr(t, name).dtype
+    assert np.array_equal(greedy.greedy, t.greedy) and np.array_equal(greedy.rng_step, t.rng_step)
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.float32)
+    assert np.array_equal(sample(logits, greedy, filters=False, random=False).next_ids,
+                          sample(logits, t, filters=False, random=False).next_ids)
