@@ -32,9 +32,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--compilation-cache-dir", default=None,
-                        help="JAX's and jengine's compile caches (default: the engine's); 'none' compiles afresh. "
-                             "A cached executable keeps the GEMM algorithms XLA's autotuner picked when it was built, "
-                             "so A/B runs of code variants should compile afresh (RESULTS.md, session 12)")
+                        help="JAX's and jengine's compile caches (default: the engine's); 'none' compiles afresh")
     parser.add_argument("--output-json", default=None)
 
 
@@ -178,7 +176,8 @@ CHAT_MIN_LEN, CHAT_MAX_OUTPUT = 4, 1024
 
 
 def engine_args(args, **overrides) -> dict:
-    """LLM keyword arguments from the common flags, `overrides` winning (None values dropped)."""
+    """LLM keyword arguments from the common flags, `overrides` winning (None values dropped, except an
+    explicit `compilation_cache_dir=None`: no caches)."""
     kw = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format,
               max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -189,7 +188,9 @@ def engine_args(args, **overrides) -> dict:
     kw.update(overrides)
     kw = {k: v for k, v in kw.items() if v is not None}
     cache_dir = getattr(args, "compilation_cache_dir", None)
-    if cache_dir is not None and "compilation_cache_dir" not in overrides:
+    if "compilation_cache_dir" in overrides:
+        kw["compilation_cache_dir"] = overrides["compilation_cache_dir"]
+    elif cache_dir is not None:
         kw["compilation_cache_dir"] = None if cache_dir.lower() == "none" else cache_dir
     return kw
 

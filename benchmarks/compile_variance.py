@@ -70,7 +70,8 @@ def child(args) -> None:
         kv, logits, _ = compiled(runner.params, kv, ints, floats, runner.no_prev_ids)
         jax.block_until_ready(logits)
         times.append(time.perf_counter() - start)
-    print(_MARK + json.dumps({"compile_s": compile_s, "ms_per_call": 1e3 * statistics.median(times[args.warmup_calls:]),
+    print(_MARK + json.dumps({"cache": config.compilation_cache_dir, "compile_s": compile_s,
+                              "ms_per_call": 1e3 * statistics.median(times[args.warmup_calls:]),
                               "algorithms": selected_algorithms(compiled.as_text())}), flush=True)
 
 

@@ -228,6 +228,8 @@ def test_engine_flags_pass_the_compilation_cache_dir_or_turn_it_off():
     # a benchmark's own choice (startup.py's fresh directory) wins over the flag
     args = parser.parse_args(["--compilation-cache-dir", "none"])
     assert engine_args(args, compilation_cache_dir="/tmp/own")["compilation_cache_dir"] == "/tmp/own"
+    # an explicit None (compile_variance.py's children) means no caches, not the engine's default
+    assert engine_args(parser.parse_args([]), compilation_cache_dir=None)["compilation_cache_dir"] is None
 
 
 def test_compile_variance_reports_each_fresh_compile(tmp_path):
@@ -235,6 +237,7 @@ def test_compile_variance_reports_each_fresh_compile(tmp_path):
                                      "--calls", "2", "--warmup-calls", "1"], tmp_path)
     assert [(row["alongside"], row["round"]) for row in data["results"]] == [(0, 0), (1, 0)]
     assert all(row["ms_per_call"] > 0 and row["compile_s"] > 0 for row in data["results"])
+    assert all(row["cache"] is None for row in data["results"])  # every round compiles: no cache serves it
     from compile_variance import selected_algorithms
 
     hlo = ('%g = (bf16[256,6144]{1,0}, s8[4]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", '
