@@ -3,7 +3,10 @@ algorithms on the device while it compiles; warm-up compiles many programs at on
 
     python benchmarks/compile_variance.py --bucket 256 256 --rounds 3 --alongside 0 15 \
         --max-model-len 1024 --max-num-seqs 256 --max-num-batched-tokens 2048 --token-buckets 256 2048 \
-        --seq-buckets 64 256
+        --seq-buckets 64 256 --gpu-memory-utilization 0.3
+
+(Without warm-up the engine allocates its KV cache before these compiles; at the default memory
+utilization, concurrent autotuning then runs out of device memory on an H200: hence the lower setting.)
 
 Each round is a fresh process (XLA keeps its autotuning results for the process's lifetime), with no
 compilation cache. It compiles the `--bucket` (T, S) forward program while `--alongside` other forward
