@@ -46,9 +46,9 @@ class _Stream:
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy whose lists the engine thread will not append to while a consumer reads them."""
-    outputs = [dataclasses.replace(o, token_ids=list(o.token_ids),
-                                   logprobs=None if o.logprobs is None else list(o.logprobs))
+    """A copy whose lists the engine thread will not append to while a consumer reads them (each output's
+    token_ids is a new list already; its logprobs may be the engine's own)."""
+    outputs = [dataclasses.replace(o, logprobs=None if o.logprobs is None else list(o.logprobs))
                for o in out.outputs]
     return dataclasses.replace(out, outputs=outputs, metrics=dataclasses.replace(out.metrics))
 

@@ -406,7 +406,7 @@ class LLMEngine:
             first = child.sent_tokens if delta else 0
             child.sent_tokens = len(request.output_token_ids)
             outputs.append(CompletionOutput(
-                index=i, text=text, token_ids=list(request.output_token_ids[first:]),
+                index=i, text=text, token_ids=request.output_token_ids[first:],
                 cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
                 logprobs=None if child.logprobs is None else child.logprobs[first:] if delta else child.logprobs,
                 finish_reason=request.finish_reason, stop_reason=child.stop_reason))
