@@ -62,6 +62,24 @@ def test_streamed_completion_text_equals_the_non_streamed_one(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_streamed_choices_equal_the_non_streamed_ones_with_n_echo_logprobs_and_stop(client):
+    text = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(ch for ch in text[3:] if ch.strip())
+    kw = dict(model=MODEL, prompt=["Hello", "abc"], max_tokens=12, temperature=1.0, n=2, seed=3, logprobs=1,
+              echo=True, stop=[stop], extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    texts, tokens, finish = {}, {}, {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            tokens[c.index] = tokens.get(c.index, []) + (c.logprobs.tokens if c.logprobs else [])
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert sorted(texts) == [0, 1, 2, 3]
+    for c in whole.choices:
+        assert (texts[c.index], tokens[c.index], finish[c.index]) == (c.text, c.logprobs.tokens, c.finish_reason)
+
+
 def test_chat_streaming_with_usage_and_logprobs(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi there"}], max_tokens=6, temperature=0,
               logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
@@ -209,3 +227,21 @@ def test_serve_cli_bucket_lists_take_commas_or_spaces_and_reject_other_text(caps
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", MODEL, "--token-buckets", "16,many"])
     assert "expected comma-separated integers" in capsys.readouterr().err
+
+
+def test_a_stream_accumulates_the_engines_delta_outputs():
+    from jengine.entrypoints.openai_serving import _accumulate
+    from jengine.outputs import CompletionOutput, RequestOutput
+    from jengine.request import RequestMetrics
+
+    def out(text, ids, finish=None, prompt_logprobs=None):
+        choice = CompletionOutput(0, text, ids, -1.0 * len(ids), [{i: None} for i in ids], finish)
+        return RequestOutput("r", "p", [1, 2], [choice], finish is not None, RequestMetrics(0.0), prompt_logprobs)
+
+    acc = _accumulate(None, out("He", [5], prompt_logprobs=[None, {2: None}]))
+    acc = _accumulate(acc, out("llo", [6, 7]))
+    acc = _accumulate(acc, out("", [8], finish="length"))
+    c = acc.outputs[0]
+    assert (c.text, c.token_ids, len(c.logprobs), c.finish_reason) == ("Hello", [5, 6, 7, 8], 4, "length")
+    assert acc.finished and acc.prompt_logprobs == [None, {2: None}] and c.cumulative_logprob == -1.0
+

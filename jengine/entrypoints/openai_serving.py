@@ -22,6 +22,24 @@ from jengine.sampling_params import RequestOutputKind, SamplingParams
 _DONE = object()
 
 
+def _accumulate(previous: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """A streamed request's cumulative output: `previous` (the stream's own) extended in place by the
+    engine's next DELTA output. The engine sends only what is new, so a long stream costs it O(new) per
+    step; the prompt logprobs come with the first output and stay."""
+    if previous is None:
+        return delta
+    for c in delta.outputs:
+        into = previous.outputs[c.index]
+        into.text += c.text
+        into.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            into.logprobs.extend(c.logprobs)
+        into.cumulative_logprob, into.finish_reason, into.stop_reason = (c.cumulative_logprob, c.finish_reason,
+                                                                         c.stop_reason)
+    previous.finished, previous.metrics = delta.finished, delta.metrics
+    return previous
+
+
 class _Run:
     """The generate streams of one API request, merged into one queue of (prompt index, item)."""
 
@@ -87,11 +105,12 @@ class OpenAIServing:
 
     def _params(self, req) -> SamplingParams:
         """The request's sampling params. A response that is not streamed reads only the finished output,
-        so the engine is asked for that one alone (no per-step outputs to copy and hand across threads)."""
+        so the engine is asked for that one alone; a streamed one gets what is new each step (`_accumulate`)."""
         params = req.to_sampling_params()
         check_fits_engine(params, self.model_config.vocab_size, self.model_config.eos_token_ids,
                           self.engine_config.max_num_seqs)
-        return params if req.stream else params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        return params.clone(output_kind=kind)
 
     def token_str(self, tid: int, as_id: bool = False) -> str:
         if as_id:
@@ -142,7 +161,7 @@ class OpenAIServing:
                 for index in range(len(run.tasks) * n):
                     yield self._sse(make_head(index))
             async for i, out in run.items():
-                latest[i] = out
+                out = latest[i] = _accumulate(latest.get(i), out)
                 for c in out.outputs:
                     index = i * n + c.index
                     if index in finished:
