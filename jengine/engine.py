@@ -301,9 +301,12 @@ class LLMEngine:
             if request.is_finished and request.request_id not in finished:
                 continue  # ended in an earlier step; this row ran ahead of that news
             self._record_token(child, result, i, sampled_logprobs[i], request.request_id in finished)
-            touched[child.group_id] = self._groups[child.group_id]
             recorded += 1
+            group = self._groups[child.group_id]
+            if group.params.output_kind is not RequestOutputKind.FINAL_ONLY or request.is_finished:
+                touched[child.group_id] = group
         self.stats["generation_tokens"] += recorded
+        # A FINAL_ONLY group is touched only by a child that just ended (its last token, or a stop string).
         outputs = [self._make_output(gid) for gid, group in touched.items()
                    if group.params.output_kind is not RequestOutputKind.FINAL_ONLY
                    or all(c.request.is_finished for c in group.children)]

@@ -56,14 +56,13 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        final_only = {}  # one copy per distinct params: only the finished output is read here
+        # Only the finished outputs are read here. (Anything but SamplingParams goes to the engine as is,
+        # which rejects it.)
+        final_only = {id(sp): sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                      for sp in params if isinstance(sp, SamplingParams)}
         try:
             for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
-                if not isinstance(sp, SamplingParams):
-                    raise ValueError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
-                if id(sp) not in final_only:
-                    final_only[id(sp)] = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                self.engine.add_request(rid, prompt, final_only[id(sp)],
+                self.engine.add_request(rid, prompt, final_only.get(id(sp), sp),
                                         priority=0 if priority is None else priority[i])
         except Exception:
             for rid in ids:
