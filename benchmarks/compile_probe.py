@@ -22,7 +22,7 @@ import threading
 import time
 
 import jax
-from common import write_json
+from common import positive_int, write_json
 
 from jengine import buckets as buckets_module
 from jengine.engine import LLMEngine
@@ -77,16 +77,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq-buckets", type=int, nargs="+", default=None, help="default: the engine's")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--workers", type=positive_int, default=16)
     parser.add_argument("--warmup", action="store_true", help="time the engine's cold warm-up, compile by compile")
-    parser.add_argument("--tokens-per-seq-row", type=int, default=None)
-    parser.add_argument("--swiglu-min-tokens", type=int, default=None)
+    parser.add_argument("--tokens-per-seq-row", type=positive_int, default=None)
+    parser.add_argument("--swiglu-min-tokens", type=positive_int, default=None)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
-    for name, value in (("--workers", args.workers), ("--tokens-per-seq-row", args.tokens_per_seq_row),
-                        ("--swiglu-min-tokens", args.swiglu_min_tokens)):
-        if value is not None and value < 1:
-            parser.error(f"{name} must be >= 1, got {value}")
     saved = buckets_module.TOKENS_PER_SEQ_ROW, swiglu_matmul.MIN_TOKENS
     buckets_module.TOKENS_PER_SEQ_ROW = args.tokens_per_seq_row or saved[0]
     swiglu_matmul.MIN_TOKENS = args.swiglu_min_tokens or saved[1]
