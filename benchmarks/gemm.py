@@ -7,7 +7,6 @@ cuBLAS on these shapes, and how much time an epilogue that absorbs the SwiGLU pr
 Example (one H200):
 
     python benchmarks/gemm.py --m 1 256 2048 --timer cupti --output-json gemm.json
-    python benchmarks/gemm.py --m 16 64 --only autotuned decode_matmul --timer cupti --calls 20
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 from common import H200_BF16_FLOPS, bench, model_shape, positive_int, write_json
 from kernels import cupti_us, rotated
 
-from jengine.kernels_pallas import decode_matmul, swiglu_matmul
+from jengine.kernels_pallas import swiglu_matmul
 from jengine.runner import CUBLAS_OPTIONS as CUBLAS  # what the engine compiles buckets of >= 64 tokens with
 
 CUBLASLT = {**CUBLAS, "xla_gpu_enable_cublaslt": True}
@@ -59,31 +58,6 @@ def pallas_matmul(tile: dict):
     dims = {k: hm.MatmulDimension[v] for k, v in tile.items() if k in ("wg_dimension", "grid_minor_dim")}
     config = hm.TuningConfig(**{**tile, **dims})
     return lambda x, w: hm.matmul(x, w, None, config)
-
-
-def decode_configs(name: str) -> list[decode_matmul.DecodeMatmulConfig]:
-    """The small-step kernel's tilings to try for one projection: column tiles, K per pipeline step, ring
-    depth and K split (the engine's pick, `decode_matmul.config_for`, first)."""
-    c = decode_matmul.DecodeMatmulConfig
-    if name == "gate_up":
-        return [c(tile_n=128, tile_k=64, stages=4), c(tile_n=64, tile_k=128, stages=3),
-                c(tile_n=128, tile_k=64, stages=6), c(tile_n=64, tile_k=64, stages=6),
-                c(tile_n=256, tile_k=64, stages=3)]
-    tiles = [(64, 128, 4), (64, 128, 6), (64, 256, 3), (64, 64, 8), (128, 128, 4)]
-    return [c(tile_n=n, tile_k=k, stages=st, split_k=s) for s in (1, 2, 4) for n, k, st in tiles]
-
-
-def decode_name(c: decode_matmul.DecodeMatmulConfig) -> str:
-    return f"decode_matmul n{c.tile_n} k{c.tile_k} s{c.stages} split{c.split_k}"
-
-
-def decode_fn(c: decode_matmul.DecodeMatmulConfig, swiglu_product: bool, residual: bool):
-    """The kernel as the model would call it: split-K partial sums summed (with the residual, if any)."""
-    def fn(x, w, *rest):
-        out = decode_matmul.decode_matmul(x, w, c, swiglu_product)
-        out = out.sum(0).astype(x.dtype) if c.split_k > 1 else out
-        return out + rest[0] if residual else out
-    return fn
 
 
 def tile_name(t: dict) -> str:
@@ -140,18 +114,6 @@ def main(argv=None):
                                f"d{c.delay_release}{'' if c.approx_math else ' exact exp'}",
                                functools.partial(swiglu_matmul.swiglu_matmul, config=c), (x, w), None)
                               for c in SWIGLU_CONFIGS if swiglu_matmul.supports(x.shape, w.shape, x.dtype, c)]
-            if m <= decode_matmul.ROWS:  # the small-step kernel, against XLA with what it fuses in the model
-                residual = name in ("o", "down")
-                r = jax.random.normal(key, (m, n), jnp.bfloat16)
-                if residual:
-                    impls.append(("xla autotuned + residual", lambda x, w, r: x @ w + r, (x, w, r), None))
-                for c in decode_configs(name):
-                    if decode_matmul.supports(x.shape, w.shape, x.dtype, c, name == "gate_up"):
-                        impls.append((decode_name(c) + (" + residual" if residual else ""),
-                                      decode_fn(c, name == "gate_up", residual), (x, w, r) if residual else (x, w),
-                                      None))
-                if name == "gate_up":
-                    impls.append(("xla autotuned + swiglu", lambda x, w: swiglu(x @ w), (x, w), None))
             if name == "down":  # the product as the down GEMM's prologue: fusible where XLA picks a Triton GEMM
                 h = jax.random.normal(key, (m, 2 * k), jnp.bfloat16)
                 impls += [("swiglu, then cublas", lambda h, w: swiglu(h) @ w, (h, w), CUBLAS),
@@ -162,12 +124,9 @@ def main(argv=None):
                 if fn is None or (a.only and not any(text in impl for text in a.only)):
                     continue
                 try:  # distinct weight copies in turn, so that a call does not find the last one's in L2
-                    if impl.startswith(("pallas", "swiglu_matmul", "decode_matmul")):
-                        fused = impl.startswith("swiglu_matmul") or (impl.startswith("decode") and name == "gate_up")
-                        want = fused_reference if fused else reference
+                    if impl.startswith(("pallas", "swiglu_matmul")):
+                        want = fused_reference if impl.startswith("swiglu_matmul") else reference
                         got = jax.jit(fn)(*args).astype(jnp.float32)
-                        if impl.endswith("residual"):
-                            want = want + args[2].astype(jnp.float32)
                         error = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                         if error > 2e-2:
                             print(f"{m:>6} {name:10} {impl:32} wrong: relative error {error:.3g}", flush=True)
