@@ -136,33 +136,38 @@ def test_tokenize_detokenize_and_embeddings(server, client):
     assert abs(sum(x * x for x in vecs[0]) - 1.0) < 1e-4
 
 
-ERROR_CASES = [
-    ("malformed json", "/v1/completions", b"{not json", 400),
-    ("missing prompt", "/v1/completions", {"max_tokens": 4}, 400),
-    ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400),
-    ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400),
-    ("top_p out of range", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400),
-    ("n too large", "/v1/completions", {"prompt": "x", "n": 1000}, 400),
-    ("prompt too long", "/v1/completions", {"prompt": "x" * 400, "max_tokens": 4}, 400),
-    ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400),
-    ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400),
-    ("empty messages", "/v1/chat/completions", {"messages": []}, 400),
-    ("lone surrogate", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400),
-    ("lone surrogate in chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400),
-    ("lone surrogate to tokenize", "/tokenize", b'{"prompt": "\\ud800"}', 400),
-    ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404),
-    ("unknown route", "/v1/nothing", {}, 404),
+ERROR_CASES = [  # (name, route, body, status, the error body's param)
+    ("malformed json", "/v1/completions", b"{not json", 400, None),
+    ("missing prompt", "/v1/completions", {"max_tokens": 4}, 400, None),
+    ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("top_p out of range", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400,
+     "top_p"),
+    ("n too large", "/v1/completions", {"prompt": "x", "n": 1000}, 400, "n"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("prompt too long", "/v1/completions", {"prompt": "x" * 400, "max_tokens": 4}, 400, None),
+    ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, None),
+    ("lone surrogate", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, None),
+    ("lone surrogate in chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+     400, None),
+    ("lone surrogate to tokenize", "/tokenize", b'{"prompt": "\\ud800"}', 400, None),
+    ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, None),
+    ("unknown route", "/v1/nothing", {}, 404, None),
 ]
 
 
-@pytest.mark.parametrize("name,path,body,status", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
-def test_bad_requests_get_openai_error_bodies(server, name, path, body, status):
+@pytest.mark.parametrize("name,path,body,status,param", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_bad_requests_get_openai_error_bodies(server, name, path, body, status, param):
     kw = {"content": body, "headers": {**server.headers, "content-type": "application/json"}} \
         if isinstance(body, bytes) else {"json": body, "headers": server.headers}
     r = httpx.post(f"{server.url}{path}", timeout=30, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
@@ -245,3 +250,14 @@ def test_a_stream_accumulates_the_engines_delta_outputs():
     assert (c.text, c.token_ids, len(c.logprobs), c.finish_reason) == ("Hello", [5, 6, 7, 8], 4, "length")
     assert acc.finished and acc.prompt_logprobs == [None, {2: None}] and c.cumulative_logprob == -1.0
 
+
+
+@pytest.mark.parametrize("message,param", [
+    ("top_p must be in (0, 1], got 2", "top_p"), ("logit_bias[7] must be a number, got 'x'", "logit_bias"),
+    ("send exactly one of 'prompt' or 'messages'", None), ("this model has no tokenizer; send token ids", None),
+    ("n", "n"), ("", None), ("Temperature must be >= 0", None),
+])
+def test_named_param(message, param):
+    from jengine.entrypoints.errors import named_param
+
+    assert named_param(message) == param

@@ -95,7 +95,7 @@ def build_app(llm: AsyncLLM, model_name: str, *, tokenizer=None, api_key: str | 
 
     @app.exception_handler(ValueError)
     async def _value(request, exc):
-        return APIError(400, str(exc)).response()
+        return APIError.from_exception(exc).response()
 
     @app.exception_handler(Exception)
     async def _other(request, exc):

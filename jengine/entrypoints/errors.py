@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 
 from jengine.async_llm import EngineDeadError
+from jengine.entrypoints import protocol
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
           413: "RequestTooLarge", 422: "UnprocessableEntityError", 503: "ServiceUnavailableError"}
@@ -24,7 +27,7 @@ class APIError(Exception):
         if isinstance(e, APIError):
             return e
         if isinstance(e, ValueError):
-            return cls(400, str(e))
+            return cls(400, str(e), param=named_param(str(e)))
         if isinstance(e, EngineDeadError):
             return cls(503, str(e))
         return cls(500, f"internal error: {type(e).__name__}: {e}")
@@ -34,6 +37,19 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+_REQUEST_FIELDS = frozenset().union(*(m.model_fields for m in (
+    protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest,
+    protocol.DetokenizeRequest, protocol.EmbeddingRequest)))
+_LEADING_NAME = re.compile(r"[a-z_]+")
+
+
+def named_param(message: str) -> str | None:
+    """The request field a validation message is about, when it starts with one ("top_p must be in (0, 1],
+    got 2" -> "top_p"): the error body's `param`, as OpenAI's API fills it."""
+    match = _LEADING_NAME.match(message)
+    return match.group(0) if match and match.group(0) in _REQUEST_FIELDS else None
 
 
 def validation_message(errors) -> tuple[str, str | None]:
