@@ -234,9 +234,9 @@ def test_engine_flags_pass_the_compilation_cache_dir_or_turn_it_off():
 
 def test_compile_variance_reports_each_fresh_compile(tmp_path):
     data = _run("compile_variance", [*ENGINE, "--bucket", "16", "8", "--rounds", "1", "--alongside", "0", "1",
-                                     "--calls", "2", "--warmup-calls", "1"], tmp_path)
+                                     "--calls", "2", "--warmup-calls", "1", "--repeats", "2"], tmp_path)
     assert [(row["alongside"], row["round"]) for row in data["results"]] == [(0, 0), (1, 0)]
-    assert all(row["ms_per_call"] > 0 and row["compile_s"] > 0 for row in data["results"])
+    assert all(row["ms_per_call"] > 0 and row["serial_ms"] > 0 and row["compile_s"] > 0 for row in data["results"])
     assert all(row["cache"] is None for row in data["results"])  # every round compiles: no cache serves it
     from compile_variance import selected_algorithms
 
