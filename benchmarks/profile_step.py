@@ -156,6 +156,19 @@ def summarise(events, steps: int, top_n: int = 20, gaps_n: int = 0) -> dict:
     }
 
 
+def sequence(events, first: int, count: int) -> list[dict]:
+    """Kernels [first, first + count) in start order: name, start (from the first listed), duration and
+    the gap since the previous kernel ended (negative: they overlapped, as programmatic dependent
+    launch lets them)."""
+    ordered = sorted((s, d, name) for name, s, d in events if category(name) != "copy")[first:first + count]
+    rows, prev_end = [], None
+    for s, d, name in ordered:
+        rows.append({"name": name[:90], "start_us": (s - ordered[0][0]) / 1e3, "us": d / 1e3,
+                     "gap_us": 0.0 if prev_end is None else (s - prev_end) / 1e3})
+        prev_end = s + d
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="jengine/llama-3.1-8b")
@@ -173,6 +186,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12, help="kernels listed per step")
     parser.add_argument("--gaps", type=int, default=0, help="also list the N widest idle gaps, with their neighbours")
     parser.add_argument("--host-events", type=int, default=0, help="also list the host's N busiest annotations")
+    parser.add_argument("--sequence", type=int, nargs=2, default=None, metavar=("FIRST", "COUNT"),
+                        help="also list COUNT kernels of the traced run in time order from kernel FIRST "
+                             "(one layer's chain: which fusions sit between the GEMMs, with gaps)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
     parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
@@ -230,6 +246,10 @@ def main() -> None:
         summary["host_events"] = host_events(data, args.steps, args.host_events)
         for name, ms, calls in summary["host_events"]:
             print(f"    host {ms:7.3f} ms/step {calls:7.1f}x  {name}")
+        if args.sequence:
+            summary["sequence"] = sequence(planes[first], *args.sequence)
+            for k in summary["sequence"]:
+                print(f"    at {k['start_us']:9.1f} us  {k['us']:7.1f} us  gap {k['gap_us']:6.1f}  {k['name']}")
         for k in summary["top_kernels"]:
             print(f"    {k['ms_per_step']:7.3f} ms/step {k['calls_per_step']:6.1f}x {k['us_per_call']:8.1f} us  "
                   f"{k['name']}")

@@ -153,6 +153,19 @@ def test_profile_summary_separates_step_boundary_gaps_from_kernel_spacing():
     assert widest == [{"us": pytest.approx(0.013), "after": "ragged_paged_attention", "before": "gemm_a"}]
 
 
+def test_profile_sequence_lists_kernels_in_start_order_with_gaps():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    from profile_step import sequence
+
+    events = [("gemm_b", 15_000, 2_000), ("MemcpyH2D", 0, 5_000), ("gemm_a", 1_000, 10_000),
+              ("ragged_paged_attention", 12_000, 10_000)]
+    rows = sequence(events, 1, 2)  # copies are not listed; the second and third kernels by start
+    assert [r["name"] for r in rows] == ["ragged_paged_attention", "gemm_b"]
+    assert [r["start_us"] for r in rows] == [0.0, 3.0] and [r["us"] for r in rows] == [10.0, 2.0]
+    assert [r["gap_us"] for r in rows] == [0.0, -7.0]  # gemm_b started 7 us before attention ended
+
+
 def test_tp_check_compares_tensor_parallel_with_one_device():
     import subprocess
 
