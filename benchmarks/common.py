@@ -26,6 +26,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default: the engine's)")
     parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--seq-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -181,6 +182,7 @@ def engine_args(args, **overrides) -> dict:
     kw = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format,
               max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              block_size=getattr(args, "block_size", None),
               token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
               seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,

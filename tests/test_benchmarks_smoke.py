@@ -243,6 +243,9 @@ def test_engine_flags_pass_the_compilation_cache_dir_or_turn_it_off():
     assert engine_args(args, compilation_cache_dir="/tmp/own")["compilation_cache_dir"] == "/tmp/own"
     # an explicit None (compile_variance.py's children) means no caches, not the engine's default
     assert engine_args(parser.parse_args([]), compilation_cache_dir=None)["compilation_cache_dir"] is None
+    # the KV page size: the engine's default unless asked
+    assert "block_size" not in engine_args(parser.parse_args([]))
+    assert engine_args(parser.parse_args(["--block-size", "64"]))["block_size"] == 64
 
 
 def test_compile_variance_reports_each_fresh_compile(tmp_path):

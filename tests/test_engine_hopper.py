@@ -80,8 +80,8 @@ def test_greedy_tokens_match_an_f32_forward_pass(model_dir, reference, mode):
     elif mode == "prefix_caching":
         shared = _prompts(1, 64, seed=3)[0]
         prompts = [shared + p[:5] for p in _prompts(5, 1, seed=4)]
-    elif mode == "preemption":  # 9 usable pages: the batch cannot all decode at once
-        kw.update(num_gpu_blocks_override=10)
+    elif mode == "preemption":  # 9 usable 16-token pages: the batch cannot all decode at once
+        kw.update(num_gpu_blocks_override=10, block_size=16)
         prompts = _prompts(4, 40, seed=5)
     llm = LLM(model_dir, **kw)
     if mode == "prefix_caching":
