@@ -25,11 +25,11 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # 256 on an accelerator, 8 on the CPU
     max_num_batched_tokens: int | None = None
-    # Tokens per KV page. None: 64 on GPUs, 16 elsewhere. On an H200 the Mosaic attention kernel copies a
-    # page per bulk copy, and 64-token pages made the 8B throughput run 4.5% faster than 16 (e4m3 decode
-    # attention at 640 tokens 103 against 116 us, causal 4k prefill 289 against 304 us; RESULTS.md,
-    # session 15). Prefix caching shares whole pages, so smaller pages share shorter prefixes.
-    block_size: int | None = None
+    # Tokens per KV page. On an H200, 64-token pages made the attention kernels 4-11% faster (one bulk copy
+    # per page) and the 8B throughput run 0.8-4.5% faster, but the batch-64 latency run slower (5.74 against
+    # 5.39 ms per step) for reasons not yet found, so the default stays vLLM's 16 (RESULTS.md, session 15).
+    # Prefix caching shares whole pages: smaller pages share shorter prefixes.
+    block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV pages
@@ -56,8 +56,8 @@ class EngineConfig:
         positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
         positive_int("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
         positive_int("data_parallel_size", self.data_parallel_size, allow_none=False)
-        if self.block_size is not None and (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
-                                            or self.block_size not in (8, 16, 32, 64, 128)):
+        if (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
+                or self.block_size not in (8, 16, 32, 64, 128)):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
         for name in ("gpu_memory_utilization", "swap_space"):
             value = getattr(self, name)
@@ -117,9 +117,8 @@ class EngineConfig:
                              f"max_num_batched_tokens ({batched})")
         if max(seq_buckets) < max_seqs:
             raise ValueError(f"the largest sequence bucket ({max(seq_buckets)}) must be >= max_num_seqs ({max_seqs})")
-        block_size = self.block_size or (64 if backend in ("gpu", "cuda", "rocm") else 16)
         return dataclasses.replace(self, max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=batched,
-                                   token_buckets=token_buckets, seq_buckets=seq_buckets, block_size=block_size)
+                                   token_buckets=token_buckets, seq_buckets=seq_buckets)
 
     def check_tensor_parallel(self, model_cfg: ModelConfig | None, num_devices: int | None) -> None:
         """tensor_parallel_size must divide the device count and the model's query heads; the replicas

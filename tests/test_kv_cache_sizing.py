@@ -142,14 +142,6 @@ def test_late_import_changes_no_environment_and_stays_quiet_on_cpu():
     assert "jengine could not apply" not in out.stderr
 
 
-@pytest.mark.parametrize("backend, asked, expected", [
-    ("gpu", None, 64), ("cpu", None, 16), ("tpu", None, 16), ("gpu", 16, 16), ("cpu", 32, 32)])
-def test_page_size_defaults_to_64_tokens_on_gpus_only(backend, asked, expected):
-    cfg = ModelConfig.from_model_dir(resolve_model("jengine/tiny-llama")[0])
-    ecfg = EngineConfig(model="jengine/tiny-llama", max_model_len=256, block_size=asked).resolve(cfg, backend, 1)
-    assert ecfg.block_size == expected and ecfg.pages_per_seq == -(-256 // expected)
-
-
 @pytest.mark.parametrize("bad", [0, 24, 256, "16", 16.0])
 def test_unsupported_page_sizes_are_refused(bad):
     with pytest.raises(ValueError, match="block_size"):
