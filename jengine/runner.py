@@ -368,10 +368,9 @@ class ModelRunner:
 
         def samplers():
             for s, logits in logits_of.items():
-                tensors = {r: build_sampling_tensors([], s, self.cfg.vocab_size, tables=r) for r in (False, True)}
+                tensors = build_sampling_tensors([], s, self.cfg.vocab_size)
                 for filters, random, top in SAMPLER_VARIANTS:
-                    s_ints, s_floats, s_layout = pack(program_inputs(tensors[random],
-                                                                     SamplerSwitches(filters, random, top)))
+                    s_ints, s_floats, s_layout = pack(program_inputs(tensors, SamplerSwitches(filters, random, top)))
                     traced = self._sample.trace(logits, s_ints, s_floats, layout=s_layout, filters=filters,
                                                 random=random, top_logprobs=top)
                     yield ("sample", s_layout, filters, random, top), traced, None

@@ -100,28 +100,17 @@ def build_sampling_tensors(
     eos_token_ids: Sequence[int] = (),
     penalty_window: int = DEFAULT_PENALTY_WINDOW,
     max_bias_entries: int = DEFAULT_MAX_BIAS_ENTRIES,
-    tables: bool | None = None,
 ) -> SamplingTensors:
     """Numpy `SamplingTensors` for `rows` (in batch order), padded to `num_rows_padded` inert rows.
-
-    The penalty and bias tables ([S, penalty_window], [S, max_bias_entries]) are read only by the general
-    sampling program; `tables` None builds them only when some row may need it (a random draw,
-    penalties, logit_bias or min_tokens), else they are [S, 0], as `program_inputs` gives the greedy
-    program. `tables=True` / `False` forces either (warm-up compiles both programs from empty batches).
 
     `eos_token_ids` are suppressed (with the request's stop_token_ids) while a request has fewer
     than `min_tokens` outputs, unless it set ignore_eos. If a row has more unique prompt+output
     tokens than `penalty_window`, output tokens are kept first (most frequent first), then prompt
     tokens in id order; penalties skip the rest.
     """
-    S, V = num_rows_padded, vocab_size
+    S, V, W, B = num_rows_padded, vocab_size, penalty_window, max_bias_entries
     if len(rows) > S:
         raise ValueError(f"{len(rows)} rows do not fit num_rows_padded={S}")
-    rows = [SamplingRow(*row) for row in rows]
-    if tables is None:
-        tables = any(not r.params.is_greedy or r.params.uses_penalties or r.params.logit_bias
-                     or len(r.output_ids) < r.params.min_tokens for r in rows)
-    W, B = (penalty_window, max_bias_entries) if tables else (0, 0)
     f32, i32, u32 = np.float32, np.int32, np.uint32
     temperature = np.ones(S, f32)
     greedy = np.ones(S, bool)
@@ -141,6 +130,7 @@ def build_sampling_tensors(
     wants_logprobs = np.zeros(S, bool)
     engine_words = _seed_words(engine_seed)
 
+    rows = [SamplingRow(*row) for row in rows]
     n = len(rows)
     # Per-row scalars every row has, set in one assignment each; the rest only for rows that use them.
     num_out = [len(r.output_ids) for r in rows]
@@ -166,15 +156,12 @@ def build_sampling_tensors(
         entries: dict[int, float] = dict(p.logit_bias)
         if num_out[i] < p.min_tokens:
             entries.update((t, -np.inf) for t in p.all_stop_token_ids(eos_token_ids))
-        if len(entries) > max_bias_entries:
-            raise ValueError(f"row {i}: {len(entries)} logit_bias/min_tokens entries exceed the cap "
-                             f"{max_bias_entries}")
+        if len(entries) > B:
+            raise ValueError(f"row {i}: {len(entries)} logit_bias/min_tokens entries exceed the cap {B}")
         if entries:
             bad = [t for t in entries if t >= V]
             if bad:
                 raise ValueError(f"logit_bias/stop_token_ids contain out-of-vocab token ids {bad[:5]} (V={V})")
-            if not tables:
-                raise ValueError(f"row {i} has logit_bias/min_tokens entries but the tables were turned off")
             bias_ids[i, : len(entries)] = list(entries)
             bias_values[i, : len(entries)] = list(entries.values())
 
@@ -207,8 +194,7 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     return SamplerSwitches(filters, random, bool(np.any(t.wants_logprobs)))
 
 
-# The tables only the general (`random`) program reads: at S=256 they are ~2.7 MB a step to fill, pack
-# and copy, so `build_sampling_tensors` leaves them out of batches that cannot need that program.
+# The tables only the general (`random`) program reads: at S=256 they are ~2.7 MB a step to pack and copy.
 _ADJUST_TABLES = ("penalty_ids", "penalty_output_counts", "bias_ids", "bias_values")
 
 
@@ -216,9 +202,6 @@ def program_inputs(t: SamplingTensors, switches: SamplerSwitches) -> SamplingTen
     """The numpy tensors the sampling program of `switches` takes: without `random` (which alone applies
     logit_bias, min_tokens suppression and penalties) the bias and penalty tables are left out ([S, 0])."""
     if switches.random:
-        if any(np.asarray(getattr(t, f)).shape[1] == 0 for f in _ADJUST_TABLES):
-            raise ValueError("program_inputs: the general sampling program needs the penalty and bias tables, "
-                             "which these tensors were built without (build_sampling_tensors(tables=False))")
         return t
     rows = np.asarray(t.temperature).shape[0]
     return dataclasses.replace(t, **{f: np.zeros((rows, 0), np.asarray(getattr(t, f)).dtype) for f in _ADJUST_TABLES})

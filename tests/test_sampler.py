@@ -282,7 +282,7 @@ def test_greedy_rows_with_logit_bias_or_penalties_follow_them_in_the_general_pro
 def test_program_inputs_leave_out_the_bias_and_penalty_tables_only_where_no_program_reads_them():
     from jengine.sampler import SamplerSwitches, program_inputs
 
-    t = build_sampling_tensors([SamplingRow(P(temperature=0.0), [1, 2], [3])], 4, 32, tables=True)
+    t = build_sampling_tensors([SamplingRow(P(temperature=0.0), [1, 2], [3])], 4, 32)
     general = program_inputs(t, SamplerSwitches(filters=False, random=True, top_logprobs=False))
     assert general is t
     greedy = program_inputs(t, SamplerSwitches(filters=False, random=False, top_logprobs=True))
@@ -292,44 +292,3 @@ def test_program_inputs_leave_out_the_bias_and_penalty_tables_only_where_no_prog
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.float32)
     assert np.array_equal(sample(logits, greedy, filters=False, random=False).next_ids,
                           sample(logits, t, filters=False, random=False).next_ids)
-
-
-TABLES = ("penalty_ids", "penalty_output_counts", "bias_ids", "bias_values")
-
-
-@pytest.mark.parametrize("params, output, built", [
-    (P(temperature=0.0), [3], False),  # greedy, nothing to adjust: the greedy program, no tables
-    (P(temperature=0.7), [3], True),  # a random draw: the general program
-    (P(temperature=0.0, presence_penalty=0.5), [3], True),
-    (P(temperature=0.0, logit_bias={5: 1.0}), [3], True),
-    (P(temperature=0.0, min_tokens=4, stop_token_ids=[7]), [3], True),  # eos/stop suppression
-    (P(temperature=0.0, min_tokens=1, stop_token_ids=[7]), [3], False),  # min_tokens already reached
-])
-def test_tables_are_built_only_for_batches_that_may_need_the_general_program(params, output, built):
-    from jengine.sampler import program_inputs
-
-    rows = [SamplingRow(P(temperature=0.0), [1], [2]), SamplingRow(params, [1, 2], output)]
-    t = build_sampling_tensors(rows, 4, 32)
-    from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES as B
-    from jengine.sampler import DEFAULT_PENALTY_WINDOW as W
-
-    widths = [W, W, B, B] if built else [0, 0, 0, 0]
-    assert [getattr(t, f).shape for f in TABLES] == [(4, w) for w in widths]
-    switches = sampler_switches(t, 32)
-    assert switches.random == built
-    program_inputs(t, switches)  # the program gets what it reads
-    logits = jnp.asarray(np.random.default_rng(1).normal(size=(4, 32)), jnp.float32)
-    full = build_sampling_tensors(rows, 4, 32, tables=True)
-    key = dict(filters=switches.filters, random=switches.random)
-    assert np.array_equal(sample(logits, program_inputs(t, switches), **key).next_ids,
-                          sample(logits, program_inputs(full, switches), **key).next_ids)
-
-
-def test_the_general_program_refuses_tensors_built_without_tables():
-    from jengine.sampler import SamplerSwitches, program_inputs
-
-    t = build_sampling_tensors([], 4, 32, tables=False)
-    with pytest.raises(ValueError, match="tables"):
-        program_inputs(t, SamplerSwitches(filters=False, random=True, top_logprobs=False))
-    with pytest.raises(ValueError, match="tables were turned off"):
-        build_sampling_tensors([SamplingRow(P(temperature=0.0, logit_bias={5: 1.0}), [1], [])], 4, 32, tables=False)
