@@ -46,11 +46,9 @@ class _Stream:
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy whose lists the engine thread will not append to while a consumer reads them (each output's
-    token_ids is a new list already; its logprobs may be the engine's own)."""
-    outputs = [dataclasses.replace(o, logprobs=None if o.logprobs is None else list(o.logprobs))
-               for o in out.outputs]
-    return dataclasses.replace(out, outputs=outputs, metrics=dataclasses.replace(out.metrics))
+    """A copy the engine thread will not change while a consumer reads it: the metrics are the request's
+    own (the outputs' token and logprob lists are new per output already, `LLMEngine._make_output`)."""
+    return dataclasses.replace(out, metrics=dataclasses.replace(out.metrics))
 
 
 class AsyncLLM:

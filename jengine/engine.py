@@ -399,7 +399,8 @@ class LLMEngine:
 
     def _make_output(self, group_id: str) -> RequestOutput:
         """The group's output, of its `output_kind`: DELTA carries only the text, tokens and logprobs
-        new since the group's last output (the prompt logprobs with the first); the others carry all."""
+        new since the group's last output (the prompt logprobs with the first); the others carry all.
+        Its token and logprob lists are new lists, never the engine's own, which later steps extend."""
         group = self._groups[group_id]
         delta = group.params.output_kind is RequestOutputKind.DELTA
         outputs = []
@@ -411,7 +412,7 @@ class LLMEngine:
             outputs.append(CompletionOutput(
                 index=i, text=text, token_ids=request.output_token_ids[first:],
                 cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
-                logprobs=None if child.logprobs is None else child.logprobs[first:] if delta else child.logprobs,
+                logprobs=None if child.logprobs is None else child.logprobs[first:],
                 finish_reason=request.finish_reason, stop_reason=child.stop_reason))
         finished = all(o.finish_reason is not None for o in outputs)
         metrics = group.children[0].request.metrics

@@ -180,6 +180,9 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
     assert all(not o.finished for o in cumulative[:-1]) and cumulative[-1].finished and delta[-1].finished
     for a, b in zip(cumulative[:-1], cumulative[1:]):  # each output extends the last
         assert b.outputs[0].token_ids[: len(a.outputs[0].token_ids)] == a.outputs[0].token_ids
+    # an output is not changed by later steps: its lists are its own, not the engine's
+    assert [len(o.outputs[0].logprobs) for o in cumulative] == [len(o.outputs[0].token_ids) for o in cumulative]
+    assert len({len(o.outputs[0].logprobs) for o in cumulative}) == len(cumulative)
     assert sum((o.outputs[0].token_ids for o in delta), []) == expected
     assert sum((o.outputs[0].logprobs for o in delta), []) == cumulative[-1].outputs[0].logprobs
     assert "".join(o.outputs[0].text for o in delta) == cumulative[-1].outputs[0].text == final[0].outputs[0].text
