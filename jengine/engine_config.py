@@ -25,8 +25,8 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # 256 on an accelerator, 8 on the CPU
     max_num_batched_tokens: int | None = None
-    # Tokens per KV page. On an H200, 64-token pages made the attention kernels 4-11% faster (one bulk copy
-    # per page) and the 8B throughput run 0.8-4.5% faster, but the batch-64 latency run slower (5.74 against
+    # Tokens per KV page. On an H200, 64-token pages made the attention kernels 5-11% faster (one bulk copy
+    # per page) and the 8B throughput run 0.9-4.5% faster, but the batch-64 latency run slower (5.74 against
     # 5.39 ms per step) for reasons not yet found, so the default stays vLLM's 16 (RESULTS.md, session 15).
     # Prefix caching shares whole pages: smaller pages share shorter prefixes.
     block_size: int = 16
