@@ -196,6 +196,8 @@ def main() -> None:
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default flags"))
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
+    if args.sequence and (args.sequence[0] < 0 or args.sequence[1] < 1):
+        parser.error(f"--sequence needs FIRST >= 0 and COUNT >= 1, got {args.sequence}")
     seqs = tuple(sorted({b + args.decode_rows for b in args.batch_sizes}))
     buckets = tuple(sorted(args.token_buckets))
     t0 = time.perf_counter()
