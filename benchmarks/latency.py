@@ -6,6 +6,11 @@ Outputs are forced to full length (ignore_eos). Prints per backend and batch siz
 ms per decode step, output tok/s, and the decode step time against the weight-streaming bound. For
 transformers (`generate`, sdpa) the step time is end-to-end / output length (prefill included, as the
 BENCHMARKS.md anchor is quoted).
+
+`--trace` runs each batch size once more under `jax.profiler` and prints, per engine step, the device's
+kernel span, busy and idle time and the host's busiest annotations (`--host-events N`): where the
+engine's own loop (scheduling, packing, reading results back) leaves the device waiting, which
+`profile_step.py`'s fixed-input loop does not show.
 """
 
 from __future__ import annotations
@@ -57,7 +62,39 @@ def run_jengine(args) -> list[dict]:
                      "out_tok_s": batch * args.output_len / e2e, "decode_tok_s": batch / step,
                      "weight_bytes": weight_bytes, "host_ms_per_step": phases})
         print("    jengine ms per step by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+        if args.trace:
+            rows[-1]["trace"] = trace_run(args, llm, [[t + args.num_iters for t in p] for p in prompts], params)
     return rows
+
+
+def trace_run(args, llm, prompts, params) -> dict:
+    """One more run of the batch under the profiler: per-step device span / busy / idle and host events."""
+    import tempfile
+
+    import jax
+    import profile_step
+
+    engine = llm.engine
+    engine.scheduler.block_manager.reset_prefix_cache()
+    steps0 = engine.stats["steps"]
+    trace_dir = tempfile.mkdtemp(prefix="jengine_latency_trace_")
+    jax.profiler.start_trace(trace_dir)
+    llm.generate(prompts, params, use_tqdm=False)
+    jax.profiler.stop_trace()
+    steps = engine.stats["steps"] - steps0
+    data = profile_step.load_trace(trace_dir)
+    planes = profile_step.kernel_events(data)
+    if not planes:
+        raise SystemExit("latency.py --trace: the trace has no GPU kernels (it reads GPU traces only)")
+    summary = profile_step.summarise(planes[sorted(planes)[0]], steps, top_n=0)
+    summary["steps"] = steps
+    summary["host_events"] = profile_step.host_events(data, steps, args.host_events)
+    print(f"    traced {steps} steps: span {summary['span_ms']:.3f}, kernels busy {summary['busy_ms']:.3f}, idle "
+          f"{summary['idle_ms']:.3f} ms/step (largest gap per step {summary['largest_gap_ms']:.3f} ms), "
+          f"{summary['kernels_per_step']:.0f} kernels/step")
+    for name, ms, calls in summary["host_events"]:
+        print(f"    host {ms:7.3f} ms/step {calls:7.1f}x  {name}")
+    return summary
 
 
 def run_hf(args) -> list[dict]:
@@ -88,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--num-iters", type=int, default=2)
     parser.add_argument("--backend", default="jengine", choices=("jengine", "hf", "both"))
+    parser.add_argument("--trace", action="store_true",
+                        help="profile one more run per batch size (jengine): device busy / idle per step")
+    parser.add_argument("--host-events", type=int, default=20, help="with --trace: the host's N busiest annotations")
     parser.add_argument("--peak-tb-s", type=float, default=H200_COPY_BW / 1e12, help="bandwidth of the bound")
     args = parser.parse_args(argv)
     if args.backend != "jengine":
