@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _XLA_DEFAULTS = {
     "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES",
     "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel": "true",
+    "--xla_gpu_command_buffer_update_mode": "SKIP_TEMP",
 }
 _ALLOCATOR_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
 
@@ -24,6 +25,11 @@ def _default_xla_flags() -> None:
     set the pace. CUDA graphs that also capture the Pallas kernels and the collectives cut the host's
     time per step from 3.8 to 1.7 ms at TP 1 (the same step time) and, with XLA's one-shot all-reduce
     kernel for the small per-layer reductions, the 8B TP 4 decode step from 5.8 to 5.0 ms.
+
+    A CUDA graph is re-recorded whenever a buffer it uses moved; the engine's loop moved a step's
+    temporaries often enough that re-recording took up to 4-5 ms of host time per batch-64 step
+    (session 16). `SKIP_TEMP` gives the temporaries fixed virtual addresses (XLA's VMM allocator, which
+    keeps no memory statistics: `kv_cache.device_memory` sizes the KV cache from the driver instead).
     """
     flags = os.environ.get("XLA_FLAGS", "")
     extra = [f"{name}={value}" for name, value in _XLA_DEFAULTS.items() if name not in flags]

@@ -38,18 +38,52 @@ def activation_reserve(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> int:
 def device_memory(device=None) -> dict | None:
     """The device's memory as the engine sizes against it: `limit` (the bytes JAX's allocator may
     hand out), `in_use`, and `total` (the device's memory: limit / XLA_PYTHON_CLIENT_MEM_FRACTION).
-    None on backends without memory statistics (CPU)."""
+
+    A GPU whose allocator keeps no statistics (XLA's VMM allocator, which the command-buffer update
+    mode jengine sets on GPUs selects) is sized from the driver's total memory and the live arrays
+    on it. None on backends without memory statistics (CPU)."""
     device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
+    fraction = _client_mem_fraction()
+    if stats and "bytes_limit" in stats:
+        limit = int(stats["bytes_limit"])
+        total = int(limit / fraction) if 0 < fraction <= 1 else limit
+        return {"total": total, "limit": limit, "in_use": int(stats.get("bytes_in_use", 0))}
+    total = cuda_total_memory(device) if getattr(device, "platform", None) == "gpu" else None
+    if total is None:
         return None
-    limit = int(stats["bytes_limit"])
+    limit = int(total * fraction) if 0 < fraction <= 1 else total
+    return {"total": total, "limit": limit, "in_use": live_bytes(device)}
+
+
+def _client_mem_fraction() -> float:
     try:
-        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEM_FRACTION))
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEM_FRACTION))
     except ValueError:
-        fraction = JAX_MEM_FRACTION
-    total = int(limit / fraction) if 0 < fraction <= 1 else limit
-    return {"total": total, "limit": limit, "in_use": int(stats.get("bytes_in_use", 0))}
+        return JAX_MEM_FRACTION
+
+
+def cuda_total_memory(device) -> int | None:
+    """The device's memory in bytes from the CUDA driver (`cuDeviceTotalMem`; no context needed), or
+    None where the driver cannot say."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    ordinal = getattr(device, "local_hardware_id", None)
+    handle, size = ctypes.c_int(), ctypes.c_size_t()
+    if (cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(handle), device.id if ordinal is None else ordinal)
+            or cuda.cuDeviceTotalMem_v2(ctypes.byref(size), handle)):
+        return None
+    return int(size.value)
+
+
+def live_bytes(device) -> int:
+    """Bytes of the live JAX arrays (their shards) held on `device`."""
+    return sum(shard.data.nbytes for a in jax.live_arrays() for shard in a.addressable_shards
+               if shard.device == device)
 
 
 def num_device_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, device=None, tp: int = 1) -> int:

@@ -146,3 +146,43 @@ def test_late_import_changes_no_environment_and_stays_quiet_on_cpu():
 def test_unsupported_page_sizes_are_refused(bad):
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(model="jengine/tiny-llama", block_size=bad)
+
+
+class StatlessGpu:
+    """A GPU whose allocator keeps no statistics (XLA's VMM allocator)."""
+    platform = "gpu"
+    id = 0
+
+    def memory_stats(self):
+        return None
+
+
+def test_gpu_without_allocator_statistics_is_sized_from_the_driver(monkeypatch):
+    import jengine.kv_cache as kv_cache
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    monkeypatch.setattr(kv_cache, "cuda_total_memory", lambda device: 100 * GB)
+    monkeypatch.setattr(kv_cache, "live_bytes", lambda device: 16 * GB)
+    assert device_memory(StatlessGpu()) == {"total": 100 * GB, "limit": 92 * GB, "in_use": 16 * GB}
+    cfg, ecfg = configs(0.9)
+    expected = (90 * GB - 16 * GB - activation_reserve(cfg, ecfg, cfg.dtype)) // page_bytes(cfg, ecfg.block_size,
+                                                                                            cfg.dtype)
+    assert num_device_pages(cfg, ecfg, cfg.dtype, device=StatlessGpu()) == expected
+
+
+def test_no_driver_means_no_statistics(monkeypatch):
+    import jengine.kv_cache as kv_cache
+
+    monkeypatch.setattr(kv_cache, "cuda_total_memory", lambda device: None)
+    assert device_memory(StatlessGpu()) is None
+
+
+def test_live_bytes_counts_the_arrays_on_the_device():
+    import jax.numpy as jnp
+
+    from jengine.kv_cache import live_bytes
+
+    device = jax.local_devices()[0]
+    before = live_bytes(device)
+    x = jnp.zeros((1024, 256), jnp.float32)
+    assert live_bytes(device) - before == x.nbytes
