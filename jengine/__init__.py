@@ -11,7 +11,6 @@ __version__ = "0.1.0"
 _XLA_DEFAULTS = {
     "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES",
     "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel": "true",
-    "--xla_gpu_command_buffer_update_mode": "SKIP_TEMP",
 }
 _ALLOCATOR_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
 
@@ -26,10 +25,13 @@ def _default_xla_flags() -> None:
     time per step from 3.8 to 1.7 ms at TP 1 (the same step time) and, with XLA's one-shot all-reduce
     kernel for the small per-layer reductions, the 8B TP 4 decode step from 5.8 to 5.0 ms.
 
-    A CUDA graph is re-recorded whenever a buffer it uses moved; the engine's loop moved a step's
-    temporaries often enough that re-recording took up to 4-5 ms of host time per batch-64 step
-    (session 16). `SKIP_TEMP` gives the temporaries fixed virtual addresses (XLA's VMM allocator, which
-    keeps no memory statistics: `kv_cache.device_memory` sizes the KV cache from the driver instead).
+    Not a default: `--xla_gpu_command_buffer_update_mode=SKIP_TEMP`. A CUDA graph is re-recorded
+    whenever a buffer it uses moved, and the engine's loop moves a step's temporaries: re-recording
+    took 1.1-5 ms of host time per batch-64 step (session 16). SKIP_TEMP gives the temporaries fixed
+    addresses and cut it to ~0.5 ms, but it switches JAX to XLA's VMM allocator, under which both
+    H200 throughput runs at gpu_memory_utilization 0.9 failed (a segfault while compiling; a runtime
+    error after start-up); runs at 0.8 or with a small KV cache did not. Under that allocator
+    `kv_cache.device_memory` sizes the KV cache from the driver.
     """
     flags = os.environ.get("XLA_FLAGS", "")
     extra = [f"{name}={value}" for name, value in _XLA_DEFAULTS.items() if name not in flags]

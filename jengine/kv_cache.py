@@ -39,9 +39,9 @@ def device_memory(device=None) -> dict | None:
     """The device's memory as the engine sizes against it: `limit` (the bytes JAX's allocator may
     hand out), `in_use`, and `total` (the device's memory: limit / XLA_PYTHON_CLIENT_MEM_FRACTION).
 
-    A GPU whose allocator keeps no statistics (XLA's VMM allocator, which the command-buffer update
-    mode jengine sets on GPUs selects) is sized from the driver's total memory and the live arrays
-    on it. None on backends without memory statistics (CPU)."""
+    A GPU whose allocator keeps no statistics (XLA's VMM allocator, which
+    `--xla_gpu_command_buffer_update_mode=SKIP_TEMP` selects) is sized from the driver's total memory
+    and the live arrays on it. None on backends without memory statistics (CPU)."""
     device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     fraction = _client_mem_fraction()
