@@ -186,3 +186,14 @@ def test_live_bytes_counts_the_arrays_on_the_device():
     before = live_bytes(device)
     x = jnp.zeros((1024, 256), jnp.float32)
     assert live_bytes(device) - before == x.nbytes
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_the_driver_total_agrees_with_the_allocator_view():
+    """The fallback's total (driver) and the statistics' total (limit / fraction) are the same device."""
+    from jengine.kv_cache import cuda_total_memory
+
+    device = jax.local_devices()[0]
+    total = cuda_total_memory(device)
+    assert total is not None and total >= device.memory_stats()["bytes_limit"]
+    assert abs(device_memory(device)["total"] - total) <= 0.02 * total
