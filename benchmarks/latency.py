@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--host-events", type=int, default=20, help="with --trace: the host's N busiest annotations")
     parser.add_argument("--peak-tb-s", type=float, default=H200_COPY_BW / 1e12, help="bandwidth of the bound")
     args = parser.parse_args(argv)
+    if args.host_events < 0:
+        parser.error(f"--host-events must be >= 0, got {args.host_events}")
     if args.backend != "jengine":
         import hf_backend
 

@@ -74,6 +74,21 @@ def test_latency_reports_each_batch_size(tmp_path):
     assert all(r["ms_per_step"] > 0 for r in data["results"])
 
 
+def test_latency_trace_reads_the_engines_own_steps(tmp_path):
+    """--trace profiles one more run per batch size; its summary reads GPU kernels, so elsewhere it
+    stops with a message instead of reporting an empty trace."""
+    import jax
+
+    argv = [*ENGINE, "--batch-sizes", "2", "--input-len", "8", "--output-len", "4", "--num-iters", "1",
+            "--trace", "--host-events", "3"]
+    if jax.default_backend() != "gpu":
+        with pytest.raises(SystemExit, match="no GPU kernels"):
+            _run("latency", argv, tmp_path)
+        return
+    trace = _run("latency", argv, tmp_path)["results"][0]["trace"]
+    assert trace["steps"] >= 4 and trace["busy_ms"] > 0 and len(trace["host_events"]) == 3
+
+
 def test_prefix_caching_on_computes_fewer_prompt_tokens(tmp_path):
     data = _run("prefix", [*ENGINE, "--num-prompts", "8", "--prefix-len", "48", "--suffix-len", "8",
                            "--output-len", "2"], tmp_path)
