@@ -124,6 +124,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (inf allowed)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def bench(fn, args, calls, reps=5, rests=None, compiler_options=None):
     """Median µs per call of `fn(q, *rest)`, net of a program's fixed cost.
 
@@ -233,9 +249,9 @@ def chat_like_lengths(n: int, max_model_len: int, seed: int = 0) -> list[tuple[i
 def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts: int, input_len: int, output_len: int) -> None:
     parser.add_argument("--dataset", default="random", choices=("random", "chat-like"),
                         help="random: fixed lengths; chat-like: seeded ShareGPT-like lognormal lengths")
-    parser.add_argument("--num-prompts", type=int, default=num_prompts)
-    parser.add_argument("--input-len", type=int, default=input_len, help="random dataset only")
-    parser.add_argument("--output-len", type=int, default=output_len, help="random dataset only")
+    parser.add_argument("--num-prompts", type=positive_int, default=num_prompts)
+    parser.add_argument("--input-len", type=positive_int, default=input_len, help="random dataset only")
+    parser.add_argument("--output-len", type=positive_int, default=output_len, help="random dataset only")
     parser.add_argument("--seed", type=int, default=0)
 
 

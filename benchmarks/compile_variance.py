@@ -38,6 +38,8 @@ from common import (
     child_argv,
     engine_args,
     environment,
+    non_negative_int,
+    positive_float,
     positive_int,
     print_table,
     run_marked_child,
@@ -107,14 +109,14 @@ def child(args) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_flags(parser)
-    parser.add_argument("--bucket", type=int, nargs=2, required=True, metavar=("T", "S"))
+    parser.add_argument("--bucket", type=positive_int, nargs=2, required=True, metavar=("T", "S"))
     parser.add_argument("--rounds", type=positive_int, default=3, help="fresh processes per --alongside value")
-    parser.add_argument("--alongside", type=int, nargs="+", default=[0, 15],
+    parser.add_argument("--alongside", type=non_negative_int, nargs="+", default=[0, 15],
                         help="other forward programs compiling at the same time")
     parser.add_argument("--calls", type=positive_int, default=20)
-    parser.add_argument("--warmup-calls", type=int, default=3)
+    parser.add_argument("--warmup-calls", type=non_negative_int, default=3)
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs of --calls queued calls")
-    parser.add_argument("--child-timeout", type=float, default=900)
+    parser.add_argument("--child-timeout", type=positive_float, default=900)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if min(args.alongside) < 0 or args.warmup_calls < 0:

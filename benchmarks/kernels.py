@@ -20,7 +20,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import bench, net_us_per_call, positive_int
+from common import bench, net_us_per_call, positive_float, positive_int
 
 from jengine.engine_config import KV_CACHE_DTYPES
 from jengine.kernels_pallas.ragged_paged_attention import gpu as gpu_kernel
@@ -221,7 +221,7 @@ def main(argv=None):
     p.add_argument("--mode", default="decode,prefill,mixed", help="comma list of decode,prefill,mixed")
     p.add_argument("--batch", default="1,8,64,256")
     p.add_argument("--ctx", default="128,2048,8192,32768")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                    help="the cache's dtype (auto: bf16 like q); the bundled kernel runs with bf16 only")
     p.add_argument("--impl", default=None, help="gpu / tpu / reference (default: by backend)")
@@ -230,8 +230,8 @@ def main(argv=None):
                    "'m:block_kv,stages,splits[,block_q[,wgs]]' (Mosaic tile), 'mt:block_kv,stages,splits[,block_q]' "
                    "(transposed Mosaic tile; block_q 1 for decode buckets' items), "
                    "'block_q,block_kv,splits,warps,stages' (Triton tile)")
-    p.add_argument("--max-tokens", type=int, default=65536, help="skip prefill shapes with more q tokens")
-    p.add_argument("--max-kv-gb", type=float, default=24.0, help="skip shapes whose cache is larger")
+    p.add_argument("--max-tokens", type=positive_int, default=65536, help="skip prefill shapes with more q tokens")
+    p.add_argument("--max-kv-gb", type=positive_float, default=24.0, help="skip shapes whose cache is larger")
     p.add_argument("--calls", type=positive_int, default=10,
                    help="kernel calls in the shorter of the two timed programs (100+ for kernels under ~50 us: "
                         "the difference of two programs is noisy below that); with --timer cupti, the runs")

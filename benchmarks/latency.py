@@ -25,6 +25,9 @@ from common import (
     environment,
     hf_in_child,
     model_shape,
+    non_negative_int,
+    positive_float,
+    positive_int,
     print_table,
     random_prompts,
     streamed_weight_bytes,
@@ -120,18 +123,17 @@ def run_hf(args) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_flags(parser)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--num-iters", type=int, default=2)
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--input-len", type=positive_int, default=128)
+    parser.add_argument("--output-len", type=positive_int, default=256)
+    parser.add_argument("--num-iters", type=positive_int, default=2)
     parser.add_argument("--backend", default="jengine", choices=("jengine", "hf", "both"))
     parser.add_argument("--trace", action="store_true",
                         help="profile one more run per batch size (jengine): device busy / idle per step")
-    parser.add_argument("--host-events", type=int, default=20, help="with --trace: the host's N busiest annotations")
-    parser.add_argument("--peak-tb-s", type=float, default=H200_COPY_BW / 1e12, help="bandwidth of the bound")
+    parser.add_argument("--host-events", type=non_negative_int, default=20,
+                        help="with --trace: the host's N busiest annotations")
+    parser.add_argument("--peak-tb-s", type=positive_float, default=H200_COPY_BW / 1e12, help="bandwidth of the bound")
     args = parser.parse_args(argv)
-    if args.host_events < 0:
-        parser.error(f"--host-events must be >= 0, got {args.host_events}")
     if args.backend != "jengine":
         import hf_backend
 

@@ -18,7 +18,17 @@ import argparse
 import time
 
 import numpy as np
-from common import add_engine_flags, build_llm, environment, percentiles, print_table, release, write_json
+from common import (
+    add_engine_flags,
+    build_llm,
+    environment,
+    non_negative_int,
+    percentiles,
+    positive_int,
+    print_table,
+    release,
+    write_json,
+)
 
 
 def run_mode(args, chunked: bool) -> dict:
@@ -96,13 +106,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_flags(parser)
     parser.set_defaults(max_model_len=33024, max_num_seqs=64)
-    parser.add_argument("--num-decodes", type=int, default=32)
-    parser.add_argument("--decode-input-len", type=int, default=128)
-    parser.add_argument("--decode-output-len", type=int, default=1024)
-    parser.add_argument("--warmup-tokens", type=int, default=16, help="decode tokens before the first long prompt")
-    parser.add_argument("--long-input-lens", type=int, nargs="+", default=[16384, 24576, 32000])
-    parser.add_argument("--long-output-len", type=int, default=16)
-    parser.add_argument("--long-interval-steps", type=int, default=64)
+    parser.add_argument("--num-decodes", type=positive_int, default=32)
+    parser.add_argument("--decode-input-len", type=positive_int, default=128)
+    parser.add_argument("--decode-output-len", type=positive_int, default=1024)
+    parser.add_argument("--warmup-tokens", type=non_negative_int, default=16,
+                        help="decode tokens before the first long prompt")
+    parser.add_argument("--long-input-lens", type=positive_int, nargs="+", default=[16384, 24576, 32000])
+    parser.add_argument("--long-output-len", type=positive_int, default=16)
+    parser.add_argument("--long-interval-steps", type=positive_int, default=64)
     parser.add_argument("--modes", nargs="+", default=["on", "off"], choices=("on", "off"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -14,7 +14,17 @@ import argparse
 import time
 
 import numpy as np
-from common import add_engine_flags, build_llm, environment, model_shape, print_table, release, write_json
+from common import (
+    add_engine_flags,
+    build_llm,
+    environment,
+    model_shape,
+    non_negative_int,
+    positive_int,
+    print_table,
+    release,
+    write_json,
+)
 
 
 def shared_prefix_prompts(n: int, prefix_len: int, suffix_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -51,10 +61,10 @@ def run_mode(args, prompts: list[list[int]], caching: bool) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_flags(parser)
-    parser.add_argument("--num-prompts", type=int, default=512)
-    parser.add_argument("--prefix-len", type=int, default=1024)
-    parser.add_argument("--suffix-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=positive_int, default=512)
+    parser.add_argument("--prefix-len", type=positive_int, default=1024)
+    parser.add_argument("--suffix-len", type=non_negative_int, default=64)
+    parser.add_argument("--output-len", type=positive_int, default=128)
     parser.add_argument("--modes", nargs="+", default=["on", "off"], choices=("on", "off"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ import time
 
 import jax
 import numpy as np
-from common import H200_COPY_BW, streamed_weight_bytes, write_json
+from common import H200_COPY_BW, non_negative_int, positive_int, streamed_weight_bytes, write_json
 
 from jengine.buckets import seq_bucket
 from jengine.engine import LLMEngine
@@ -172,26 +172,29 @@ def sequence(events, first: int, count: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="jengine/llama-3.1-8b")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--token-buckets", type=int, nargs="+", default=[8, 64])
-    parser.add_argument("--prefill-len", type=int, default=0,
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 64])
+    parser.add_argument("--context", type=non_negative_int, default=256)
+    parser.add_argument("--token-buckets", type=positive_int, nargs="+", default=[8, 64])
+    parser.add_argument("--prefill-len", type=non_negative_int, default=0,
                         help="rows are prompt chunks of this many new tokens (after --context cached ones)")
-    parser.add_argument("--decode-rows", type=int, default=0,
+    parser.add_argument("--decode-rows", type=non_negative_int, default=0,
                         help="add this many decode rows at --decode-context tokens to every step (mixed steps)")
-    parser.add_argument("--decode-context", type=int, default=512)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=10, help="steps traced (and 3x as many timed)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--top", type=int, default=12, help="kernels listed per step")
-    parser.add_argument("--gaps", type=int, default=0, help="also list the N widest idle gaps, with their neighbours")
-    parser.add_argument("--host-events", type=int, default=0, help="also list the host's N busiest annotations")
+    parser.add_argument("--decode-context", type=positive_int, default=512)
+    parser.add_argument("--max-model-len", type=positive_int, default=None)
+    parser.add_argument("--steps", type=positive_int, default=10, help="steps traced (and 3x as many timed)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
+    parser.add_argument("--top", type=non_negative_int, default=12, help="kernels listed per step")
+    parser.add_argument("--gaps", type=non_negative_int, default=0,
+                        help="also list the N widest idle gaps, with their neighbours")
+    parser.add_argument("--host-events", type=non_negative_int, default=0,
+                        help="also list the host's N busiest annotations")
     parser.add_argument("--sequence", type=int, nargs=2, default=None, metavar=("FIRST", "COUNT"),
                         help="also list COUNT kernels of the traced run in time order from kernel FIRST "
                              "(one layer's chain: which fusions sit between the GEMMs, with gaps)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default: the engine's)")
+    parser.add_argument("--block-size", type=positive_int, default=None,
+                        help="tokens per KV page (default: the engine's)")
     parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default flags"))
     parser.add_argument("--output-json", default=None)

@@ -27,7 +27,17 @@ import tempfile
 import time
 
 import numpy as np
-from common import add_dataset_flags, environment, make_requests, model_shape, percentiles, print_table, write_json
+from common import (
+    add_dataset_flags,
+    environment,
+    make_requests,
+    model_shape,
+    percentiles,
+    positive_float,
+    positive_int,
+    print_table,
+    write_json,
+)
 
 
 def free_port() -> int:
@@ -214,11 +224,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--endpoint", default="/v1/completions")
     parser.add_argument("--launch-server", action="store_true", help="start `jengine serve` here (on a free port)")
-    parser.add_argument("--server-timeout", type=float, default=1800, help="seconds to wait for /health")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="clips chat-like lengths")
+    parser.add_argument("--server-timeout", type=positive_float, default=1800, help="seconds to wait for /health")
+    parser.add_argument("--max-model-len", type=positive_int, default=2048, help="clips chat-like lengths")
     add_dataset_flags(parser, num_prompts=1000, input_len=512, output_len=256)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson; inf = all at once")
-    parser.add_argument("--max-concurrency", type=int, nargs="+", default=None,
+    parser.add_argument("--request-rate", type=positive_float, default=float("inf"),
+                        help="req/s, Poisson; inf = all at once")
+    parser.add_argument("--max-concurrency", type=positive_int, nargs="+", default=None,
                         help="requests in flight at most; several values: one run each (a sweep)")
     parser.add_argument("--goodput", nargs="*", default=[], help="SLOs in ms: ttft:MS tpot:MS e2el:MS")
     parser.add_argument("--no-token-logprobs", dest="token_logprobs", action="store_false",

@@ -29,6 +29,8 @@ from common import (
     build_llm,
     child_argv,
     environment,
+    positive_float,
+    positive_int,
     print_table,
     run_marked_child,
     write_json,
@@ -109,12 +111,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cache-dir", default=None, help="compilation cache dir (default: a fresh temp dir)")
     parser.add_argument("--cache-min-compile-secs", type=float, default=None,
                         help="persist programs compiling at least this long (default: the engine's setting)")
-    parser.add_argument("--workload-rounds", type=int, default=4)
-    parser.add_argument("--workload-requests", type=int, default=16, help="most requests per round")
-    parser.add_argument("--workload-max-prompt", type=int, default=512)
-    parser.add_argument("--workload-max-tokens", type=int, default=16)
+    parser.add_argument("--workload-rounds", type=positive_int, default=4)
+    parser.add_argument("--workload-requests", type=positive_int, default=16, help="most requests per round")
+    parser.add_argument("--workload-max-prompt", type=positive_int, default=512)
+    parser.add_argument("--workload-max-tokens", type=positive_int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--child-timeout", type=float, default=1800)
+    parser.add_argument("--child-timeout", type=positive_float, default=1800)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -12,6 +12,7 @@ import time
 
 import jax
 import numpy as np
+from common import non_negative_int, positive_int
 
 from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
@@ -32,11 +33,11 @@ def _median_ms(fn, n=20):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="jengine/llama-3.1-8b")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--context", type=non_negative_int, default=256)
     parser.add_argument("--launch-variants", action="store_true",
                         help="also time back-to-back launches of parts of the step program")
-    parser.add_argument("--num-tokens", type=int, default=64, help="token bucket T the steps are padded to")
+    parser.add_argument("--num-tokens", type=positive_int, default=64, help="token bucket T the steps are padded to")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--ablate", choices=("none", "attention", "write_kv", "both"), default="none",
                         help="replace the attention op and/or the K/V write by no-ops, to price them")

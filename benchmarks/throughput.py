@@ -24,6 +24,8 @@ from common import (
     hf_in_child,
     make_requests,
     model_shape,
+    positive_float,
+    positive_int,
     print_table,
     roofline,
     write_json,
@@ -123,10 +125,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--backend", default="jengine", choices=("jengine", "hf", "both"))
     parser.add_argument("--hf-modes", nargs="+", default=["batch", "static"], choices=("batch", "static"),
                         help="transformers runs: generate_batch (continuous batching) and/or static generate")
-    parser.add_argument("--hf-batch-size", type=int, default=64, help="batch size of static generate")
+    parser.add_argument("--hf-batch-size", type=positive_int, default=64, help="batch size of static generate")
     parser.add_argument("--hf-cb-attn", default="paged|sdpa", help="attention for generate_batch")
-    parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 ceiling for the bound")
-    parser.add_argument("--peak-tb-s", type=float, default=4.3, help="copy-bandwidth ceiling for the bound")
+    parser.add_argument("--peak-tflops", type=positive_float, default=790.0, help="dense bf16 ceiling for the bound")
+    parser.add_argument("--peak-tb-s", type=positive_float, default=4.3, help="copy-bandwidth ceiling for the bound")
     parser.add_argument("--step-log", default=None,
                         help="write every jengine step (tokens, sequences, buckets, seconds) to this JSON file "
                              "and print the time per step kind and bucket")

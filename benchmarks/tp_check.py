@@ -22,7 +22,7 @@ import os
 import sys
 
 import numpy as np
-from common import release
+from common import non_negative_int, positive_float, positive_int, release
 
 from jengine import LLM, SamplingParams
 
@@ -55,10 +55,10 @@ def main() -> None:
     parser.add_argument("--model", default=FIXTURE, help="checkpoint directory or preset")
     parser.add_argument("--load-format", default="safetensors")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompt-len", type=int, default=0, help="add one random prompt this long")
-    parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--tolerance", type=float, default=1e-3, help="max abs logprob difference")
+    parser.add_argument("--prompt-len", type=non_negative_int, default=0, help="add one random prompt this long")
+    parser.add_argument("--tensor-parallel-sizes", type=positive_int, nargs="+", default=[2, 4])
+    parser.add_argument("--max-tokens", type=positive_int, default=24)
+    parser.add_argument("--tolerance", type=positive_float, default=1e-3, help="max abs logprob difference")
     args = parser.parse_args()
     want_tokens, want_lp, want_prompt = run(args, 1)
     exact = args.dtype == "float32"

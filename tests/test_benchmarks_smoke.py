@@ -89,6 +89,22 @@ def test_latency_trace_reads_the_engines_own_steps(tmp_path):
     assert trace["steps"] >= 4 and trace["busy_ms"] > 0 and len(trace["host_events"]) == 3
 
 
+@pytest.mark.parametrize("name, argv, message", [
+    ("latency", ["--batch-sizes", "0"], "must be a positive integer, got 0"),
+    ("latency", ["--num-iters", "0"], "must be a positive integer, got 0"),
+    ("latency", ["--host-events", "-1"], "must be an integer >= 0, got -1"),
+    ("throughput", ["--input-len", "-1"], "must be a positive integer, got -1"),
+    ("throughput", ["--peak-tb-s", "0"], "must be a number > 0, got 0"),
+    ("prefix", ["--suffix-len", "-2"], "must be an integer >= 0, got -2"),
+    ("long_context", ["--long-input-lens", "100", "0"], "must be a positive integer, got 0"),
+    ("serving", ["--request-rate", "-1"], "must be a number > 0, got -1"),
+])
+def test_bad_counts_and_lengths_are_usage_errors(name, argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _run(name, argv, tmp_path)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_prefix_caching_on_computes_fewer_prompt_tokens(tmp_path):
     data = _run("prefix", [*ENGINE, "--num-prompts", "8", "--prefix-len", "48", "--suffix-len", "8",
                            "--output-len", "2"], tmp_path)
