@@ -116,6 +116,14 @@ def write_json(path: str | None, payload: dict) -> None:
             json.dump(payload, f, indent=2)
 
 
+def save_results(args, results, use_jax: bool = True, **extra) -> dict:
+    """A benchmark's JSON payload (environment, arguments, result rows and `extra` keys), written to
+    `--output-json` when given and returned."""
+    payload = {"env": environment(use_jax=use_jax), "args": vars(args), "results": results, **extra}
+    write_json(args.output_json, payload)
+    return payload
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     value = int(text)

@@ -37,13 +37,12 @@ from common import (
     add_engine_flags,
     child_argv,
     engine_args,
-    environment,
     non_negative_int,
     positive_float,
     positive_int,
     print_table,
     run_marked_child,
-    write_json,
+    save_results,
 )
 
 _MARK = "COMPILE_VARIANCE "
@@ -137,9 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(rows, ["alongside", "round", "compile_s", "ms_per_call", "serial_ms", "algorithms"])
     distinct = {row["algorithms"] for row in rows}
     print(f"{len(distinct)} distinct algorithm selection(s) over {len(rows)} compiles")
-    payload = {"env": environment(), "args": vars(args), "results": rows}
-    write_json(args.output_json, payload)
-    return payload
+    return save_results(args, rows)
 
 
 if __name__ == "__main__":

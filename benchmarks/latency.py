@@ -22,7 +22,6 @@ from common import (
     H200_COPY_BW,
     add_engine_flags,
     build_llm,
-    environment,
     hf_in_child,
     model_shape,
     non_negative_int,
@@ -30,9 +29,9 @@ from common import (
     positive_int,
     print_table,
     random_prompts,
+    save_results,
     streamed_weight_bytes,
 )
-from common import write_json as save
 
 
 def run_jengine(args) -> list[dict]:
@@ -156,9 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
         if r["backend"] == "jengine" and other is not None:
             ratios[str(r["batch"])] = r["out_tok_s"] / other["out_tok_s"]
             print(f"batch {r['batch']}: jengine / hf = {ratios[str(r['batch'])]:.2f}x output tok/s")
-    payload = {"env": environment(use_jax=args.backend != "hf"), "args": vars(args), "results": rows, "ratios": ratios}
-    save(args.output_json, payload)
-    return payload
+    return save_results(args, rows, use_jax=args.backend != "hf", ratios=ratios)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,12 @@ import numpy as np
 from common import (
     add_engine_flags,
     build_llm,
-    environment,
     non_negative_int,
     percentiles,
     positive_int,
     print_table,
     release,
-    write_json,
+    save_results,
 )
 
 
@@ -128,9 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
         if r["decodes_finished_before_window_end"]:
             print(f"note ({r['chunked_prefill']}): {r['decodes_finished_before_window_end']} decodes finished before "
                   "the last long prompt's first token; raise --decode-output-len")
-    payload = {"env": environment(), "args": vars(args), "results": rows}
-    write_json(args.output_json, payload)
-    return payload
+    return save_results(args, rows)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ import numpy as np
 from common import (
     add_engine_flags,
     build_llm,
-    environment,
     model_shape,
     non_negative_int,
     positive_int,
     print_table,
     release,
-    write_json,
+    save_results,
 )
 
 
@@ -80,9 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = by_mode["on"]["output_tok_s"] / by_mode["off"]["output_tok_s"]
         print(f"prefix caching on / off: {ratio:.2f}x output tok/s; prompt tokens computed "
               f"{by_mode['on']['computed_prompt_tokens']} vs {by_mode['off']['computed_prompt_tokens']}")
-    payload = {"env": environment(), "args": vars(args), "results": rows, "ratio_on_off": ratio}
-    write_json(args.output_json, payload)
-    return payload
+    return save_results(args, rows, ratio_on_off=ratio)
 
 
 if __name__ == "__main__":

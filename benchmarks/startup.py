@@ -28,12 +28,11 @@ from common import (
     add_engine_flags,
     build_llm,
     child_argv,
-    environment,
     positive_float,
     positive_int,
     print_table,
     run_marked_child,
-    write_json,
+    save_results,
 )
 
 _MARK = "STARTUP_RESULT "
@@ -146,9 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         phases = " / ".join(f"{row[f'{n}_s']:.1f}" for n in ("entry", "imports", "backend", "engine", "request"))
         inner = ", ".join(f"{k} {v:.1f}" for k, v in row["engine_phases"].items())
         print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f})")
-    payload = {"env": environment(), "args": vars(args), "results": rows}
-    write_json(args.output_json, payload)
-    return payload
+    return save_results(args, rows)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from common import (
     add_dataset_flags,
     add_engine_flags,
     build_llm,
-    environment,
     hf_in_child,
     make_requests,
     model_shape,
@@ -28,6 +27,7 @@ from common import (
     positive_int,
     print_table,
     roofline,
+    save_results,
     write_json,
 )
 
@@ -169,10 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         if jen is not None and r is not jen:
             ratios[r["backend"]] = jen["output_tok_s"] / r["output_tok_s"]
             print(f"jengine / {r['backend']}: {ratios[r['backend']]:.2f}x output tok/s")
-    payload = {"env": environment(use_jax=args.backend != "hf"), "args": vars(args), "bound": bound, "results": rows,
-               "ratios": ratios}
-    write_json(args.output_json, payload)
-    return payload
+    return save_results(args, rows, use_jax=args.backend != "hf", bound=bound, ratios=ratios)
 
 
 if __name__ == "__main__":
