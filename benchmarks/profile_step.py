@@ -169,7 +169,7 @@ def sequence(events, first: int, count: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="jengine/llama-3.1-8b")
     parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 64])
@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default flags"))
     parser.add_argument("--output-json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.sequence and (args.sequence[0] < 0 or args.sequence[1] < 1):
         parser.error(f"--sequence needs FIRST >= 0 and COUNT >= 1, got {args.sequence}")
     seqs = tuple(sorted({b + args.decode_rows for b in args.batch_sizes}))
@@ -209,8 +209,9 @@ def main() -> None:
                                     max_num_seqs=max(seqs), max_num_batched_tokens=max(buckets),
                                     token_buckets=buckets, seq_buckets=seqs,
                                     gpu_memory_utilization=args.gpu_memory_utilization,
-                                    kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
-                                    tensor_parallel_size=args.tensor_parallel_size), progress=False)
+                                    kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+                                    **({} if args.block_size is None else {"block_size": args.block_size})),
+                       progress=False)
     print(f"[{args.label}] start-up {time.perf_counter() - t0:.1f} s")
     bound_ms = 1e3 * streamed_weight_bytes(engine.runner.params) / H200_COPY_BW
     results = []

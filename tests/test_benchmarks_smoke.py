@@ -163,6 +163,30 @@ def test_serving_sweeps_concurrency_against_one_server_and_plots(tmp_path):
     assert plot.stat().st_size > 0 and (tmp_path / "cdf_sweep.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("block_size", [None, 8])
+def test_profile_step_builds_its_engine_and_runs_steps(block_size, tmp_path):
+    """The engine's default page size when --block-size is not given; elsewhere than a GPU the run
+    stops at the trace's summary (it reads GPU kernels only), after the steps ran."""
+    import jax
+
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import profile_step
+
+    argv = ["--model", "jengine/tiny-llama", "--batch-sizes", "2", "--token-buckets", "8", "--context", "16",
+            "--max-model-len", "64", "--steps", "2", "--trace-dir", str(tmp_path / "trace"),
+            "--output-json", str(tmp_path / "p.json")]
+    if block_size is not None:
+        argv += ["--block-size", str(block_size)]
+    if jax.default_backend() != "gpu":
+        with pytest.raises(SystemExit, match="no GPU kernels"):
+            profile_step.main(argv)
+        return
+    profile_step.main(argv)
+    with open(tmp_path / "p.json") as f:
+        assert json.load(f)["results"][0]["step_ms"] > 0
+
+
 def test_profile_summary_separates_step_boundary_gaps_from_kernel_spacing():
     if BENCH not in sys.path:
         sys.path.insert(0, BENCH)
