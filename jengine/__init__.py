@@ -28,10 +28,10 @@ def _default_xla_flags() -> None:
     Not a default: `--xla_gpu_command_buffer_update_mode=SKIP_TEMP`. A CUDA graph is re-recorded
     whenever a buffer it uses moved, and the engine's loop moves a step's temporaries: re-recording
     took 1.1-5 ms of host time per batch-64 step (session 16). SKIP_TEMP gives the temporaries fixed
-    addresses and cut it to ~0.5 ms, but it switches JAX to XLA's VMM allocator, under which both
-    H200 throughput runs at gpu_memory_utilization 0.9 failed (a segfault while compiling; a runtime
-    error after start-up); runs at 0.8 or with a small KV cache did not. Under that allocator
-    `kv_cache.device_memory` sizes the KV cache from the driver.
+    addresses and cut it to ~0.5 ms, but it switches JAX to XLA's VMM allocator. That allocator reports
+    no limit, XLA then plans programs for 80% of the device, and every H200 run whose weights and KV
+    cache passed that failed (sessions 16-17). Under it `kv_cache.device_memory` sizes the KV cache
+    from the driver, inside that 80%: fewer pages than the ≥ 90% of free memory jengine gives them.
     """
     flags = os.environ.get("XLA_FLAGS", "")
     extra = [f"{name}={value}" for name, value in _XLA_DEFAULTS.items() if name not in flags]

@@ -35,13 +35,23 @@ def activation_reserve(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> int:
     return 2 * tokens * width * jnp.dtype(dtype).itemsize + 4 * ecfg.max_num_seqs * cfg.vocab_size * 4
 
 
+# When the client gives XLA no allocator limit (its VMM allocator keeps none), XLA's GPU scheduler plans
+# each program for 80% of the device's memory, and logs "exceeds the base limit" for a program whose
+# arguments pass that. On an H200 under SKIP_TEMP (the VMM allocator) every run whose weights and KV
+# cache passed it failed at run time (illegal memory accesses, segfaults: four runs at
+# gpu_memory_utilization 0.85-0.9) and the run within it did not (benchmarks/RESULTS.md, sessions
+# 16-17), so a stat-less GPU's limit stays inside it.
+XLA_ASSUMED_MEMORY_FRACTION = 0.8
+
+
 def device_memory(device=None) -> dict | None:
     """The device's memory as the engine sizes against it: `limit` (the bytes JAX's allocator may
     hand out), `in_use`, and `total` (the device's memory: limit / XLA_PYTHON_CLIENT_MEM_FRACTION).
 
     A GPU whose allocator keeps no statistics (XLA's VMM allocator, which
     `--xla_gpu_command_buffer_update_mode=SKIP_TEMP` selects) is sized from the driver's total memory
-    and the live arrays on it. None on backends without memory statistics (CPU)."""
+    and the live arrays on it, its limit capped at `XLA_ASSUMED_MEMORY_FRACTION` of the device. None on
+    backends without memory statistics (CPU)."""
     device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     fraction = _client_mem_fraction()
@@ -52,7 +62,7 @@ def device_memory(device=None) -> dict | None:
     total = cuda_total_memory(device) if getattr(device, "platform", None) == "gpu" else None
     if total is None:
         return None
-    limit = int(total * fraction) if 0 < fraction <= 1 else total
+    limit = int(total * min(fraction if 0 < fraction <= 1 else 1.0, XLA_ASSUMED_MEMORY_FRACTION))
     return {"total": total, "limit": limit, "in_use": live_bytes(device)}
 
 

@@ -163,11 +163,17 @@ def test_gpu_without_allocator_statistics_is_sized_from_the_driver(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     monkeypatch.setattr(kv_cache, "cuda_total_memory", lambda device: 100 * GB)
     monkeypatch.setattr(kv_cache, "live_bytes", lambda device: 16 * GB)
-    assert device_memory(StatlessGpu()) == {"total": 100 * GB, "limit": 92 * GB, "in_use": 16 * GB}
+    # The limit is XLA's own assumption for a client that reports none (80%), below 92% of the device.
+    assert device_memory(StatlessGpu()) == {"total": 100 * GB, "limit": 80 * GB, "in_use": 16 * GB}
     cfg, ecfg = configs(0.9)
-    expected = (90 * GB - 16 * GB - activation_reserve(cfg, ecfg, cfg.dtype)) // page_bytes(cfg, ecfg.block_size,
-                                                                                            cfg.dtype)
+    per_page = page_bytes(cfg, ecfg.block_size, cfg.dtype)
+    expected = (80 * GB - 16 * GB - activation_reserve(cfg, ecfg, cfg.dtype)) // per_page
     assert num_device_pages(cfg, ecfg, cfg.dtype, device=StatlessGpu()) == expected
+    cfg, ecfg = configs(0.7)  # a utilisation under the cap is the budget
+    expected = (70 * GB - 16 * GB - activation_reserve(cfg, ecfg, cfg.dtype)) // per_page
+    assert num_device_pages(cfg, ecfg, cfg.dtype, device=StatlessGpu()) == expected
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # a smaller allocator pool still binds
+    assert device_memory(StatlessGpu())["limit"] == 50 * GB
 
 
 def test_no_driver_means_no_statistics(monkeypatch):
