@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                              "(one layer's chain: which fusions sit between the GEMMs, with gaps)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
-    parser.add_argument("--block-size", type=positive_int, default=None,
+    parser.add_argument("--block-size", type=positive_int, default=EngineConfig.block_size,
                         help="tokens per KV page (default: the engine's)")
     parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default flags"))
@@ -209,9 +209,8 @@ def main(argv: list[str] | None = None) -> None:
                                     max_num_seqs=max(seqs), max_num_batched_tokens=max(buckets),
                                     token_buckets=buckets, seq_buckets=seqs,
                                     gpu_memory_utilization=args.gpu_memory_utilization,
-                                    kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-                                    **({} if args.block_size is None else {"block_size": args.block_size})),
-                       progress=False)
+                                    kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                                    tensor_parallel_size=args.tensor_parallel_size), progress=False)
     print(f"[{args.label}] start-up {time.perf_counter() - t0:.1f} s")
     bound_ms = 1e3 * streamed_weight_bytes(engine.runner.params) / H200_COPY_BW
     results = []
