@@ -10,8 +10,12 @@ on the device. Example (one H200):
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import functools
+import glob
 import json
+import os
 import statistics
 import sys
 import time
@@ -188,6 +192,61 @@ def cupti_us(fn, args, calls, rests=None, compiler_options=None):
     return statistics.median(times) if times else float("nan")
 
 
+def region_summary(trace_path):
+    """Summary of one `MosaicConfig.profile_dir` trace (Chrome trace events, one track per warpgroup,
+    "pid" 1 + the SM): per region, its events, mean cycles per event and cycles per program (programs:
+    tracks with a prologue), and how many programs each SM started together at the launch (the
+    occupancy the launch got)."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    tracks = collections.defaultdict(list)
+    for e in events:
+        tracks[e["tid"]].append(e)
+    cycles, count, first_starts = collections.Counter(), collections.Counter(), collections.defaultdict(list)
+    programs = 0
+    for track in tracks.values():
+        open_ = []
+        for e in track:
+            if e["ph"] == "B":
+                open_.append(e)
+            elif open_:
+                begin = open_.pop()
+                cycles[begin["name"]] += (e["ts"] - begin["ts"]) * 1e3  # the profiler writes cycles / 1e3
+                count[begin["name"]] += 1
+        if any(e["name"] == "prologue" for e in track):
+            programs += 1
+            first_starts[track[0]["pid"]].append(track[0]["ts"])
+    together = collections.Counter()
+    for starts in first_starts.values():
+        starts.sort()
+        together[sum(1 for t in starts if t - starts[0] < 0.5)] += 1  # within 0.5 µs of the SM's first
+    regions = {name: dict(events=count[name], cycles_per_event=cycles[name] / count[name],
+                          cycles_per_program=cycles[name] / max(programs, 1)) for name in count}
+    return dict(programs=programs, regions=regions, programs_per_sm_at_launch=dict(sorted(together.items())))
+
+
+def profile_regions(fn, args, cfg, directory):
+    """Run `fn` once with `cfg` (a transposed Mosaic config) writing its in-kernel trace to `directory`,
+    and return `region_summary` of it."""
+    os.makedirs(directory, exist_ok=True)
+    before = set(glob.glob(os.path.join(directory, "*-trace.json")))
+    jax.block_until_ready(jax.jit(functools.partial(fn, config=dataclasses.replace(cfg, profile_dir=directory)))(*args))
+    jax.effects_barrier()  # the trace is written by a host callback
+    new = sorted(set(glob.glob(os.path.join(directory, "*-trace.json"))) - before, key=os.path.getmtime)
+    if not new:
+        raise RuntimeError(f"--region-profile: no trace appeared in {directory}")
+    return region_summary(new[-1])
+
+
+def print_regions(summary):
+    """`region_summary` as lines: per region its cycles per event and per program."""
+    print(f"{'':22}in-kernel profile: {summary['programs']} programs; programs per SM started together: "
+          f"{summary['programs_per_sm_at_launch']}", flush=True)
+    for name, r in summary["regions"].items():
+        print(f"{'':24}{name:10}{r['events']:8} events {r['cycles_per_event']:8.0f} cycles each "
+              f"{r['cycles_per_program']:9.0f} per program", flush=True)
+
+
 def parse_config(text):
     """'' = the table (on Hopper: the Mosaic kernel); 'triton' = the Triton kernel as its table runs it;
     'm:block_kv,stages,splits[,block_q[,compute_warpgroups]]' = a Mosaic tile (an empty block_q: the
@@ -212,7 +271,8 @@ def config_name(cfg):
         if cfg.transposed:
             block_q = "" if cfg.block_q is None else f",{cfg.block_q}"
             return f"mt:{cfg.block_kv},{cfg.num_stages},{cfg.num_kv_splits}{block_q}"
-        return "m:" + ",".join("" if v is None else str(v) for k, v in vars(cfg).items() if k != "transposed")
+        return "m:" + ",".join("" if v is None else str(v) for k, v in vars(cfg).items()
+                               if k not in ("transposed", "profile_dir"))
     return ",".join(str(v) for v in vars(cfg).values())
 
 
@@ -244,11 +304,16 @@ def main(argv=None):
                    help="also time write_kv of each batch's new tokens (cache donated)")
     p.add_argument("--anchors", action="store_true",
                    help="for prefill B=1, also time JAX's bundled dense causal attention kernels")
+    p.add_argument("--region-profile", default=None, metavar="DIR",
+                   help="for decode shapes on the transposed Mosaic kernel, also run once with its in-kernel "
+                        "profiler (traces to DIR) and print cycles per named region (Hopper only)")
     p.add_argument("--json", default=None, help="write results to this file")
     a = p.parse_args(argv)
 
     if a.timer == "cupti" and jax.default_backend() != "gpu":
         p.error("--timer cupti needs a GPU (CUPTI counts CUDA kernels)")
+    if a.region_profile and not gpu_mosaic.on_hopper():
+        p.error("--region-profile needs a Hopper GPU (the Mosaic GPU kernel's on-device profiler)")
     timed = bench if a.timer == "program" else cupti_us
     print(f"devices: {jax.devices()}", flush=True)
     if a.check:
@@ -292,6 +357,14 @@ def main(argv=None):
                     ratio = f"{bundled_us / us:9.2f}x" if bundled_us else ""
                     print(f"{mode:8}{b:>5}{ctx:>7}  {name:24}{us:10.1f}{row['kv_tb_s']:9.2f}"
                           f"{row['tflop_s']:9.1f}{ratio:>10}", flush=True)
+                    mosaic_or_table = cfg is None or isinstance(cfg, gpu_mosaic.MosaicConfig)
+                    if a.region_profile and mode == "decode" and mosaic_or_table:
+                        mosaic = cfg or gpu_mosaic.tuned_config(sum(q_lens), len(q_lens), HKV,
+                                                                args[3].shape[1] * a.page_size, D,
+                                                                fp8_cache=reference.is_fp8(kv_dtype))
+                        if mosaic.transposed:
+                            row["regions"] = profile_regions(fn, args, mosaic, a.region_profile)
+                            print_regions(row["regions"])
                 if bundled_us:
                     print(f"{'':8}{'':>5}{'':>7}  {'bundled paged_attention':24}{bundled_us:10.1f}"
                           f"{kv_bytes / bundled_us / 1e6:9.2f}", flush=True)

@@ -281,6 +281,37 @@ def test_mosaic_config_warpgroups():
     assert gpu_mosaic.tuned_config(2048, 64, 8, 1024, head_dim=256).compute_warpgroups == 1
 
 
+@pytest.mark.parametrize("value", ["", 3, b"dir"])
+def test_mosaic_config_profile_dir_must_be_a_path(value):
+    with pytest.raises(ValueError, match="`profile_dir`"):
+        gpu_mosaic.MosaicConfig(profile_dir=value)
+
+
+def test_mosaic_profiler_traces_the_decode_kernel_regions(tmp_path):
+    """`profile_dir` sizes the on-device profiler's buffer for the longest program; on a Hopper GPU the
+    decode kernel then writes a trace with every named region (read by benchmarks/kernels.py) and
+    still matches the reference."""
+    params = gpu_mosaic._profiler_params(gpu_mosaic.MosaicConfig(profile_dir="d"), max_kv_len=640)
+    assert params["profile_space"] >= gpu_mosaic.PROFILED_REGIONS_PER_BLOCK * 10 + 2 and params["profile_bounds_check"]
+    assert gpu_mosaic._profiler_params(gpu_mosaic.MosaicConfig(), max_kv_len=640) == {}
+    if not _on_hopper():
+        return  # the trace is written by a host callback, which lowers only for the platform it runs on
+    import glob
+    import json
+
+    import jax
+
+    args = make_case(3, [1, 1, 1], [40, 300, 17], group=4, head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                     kv_dtype=jnp.float8_e4m3fn)
+    config = gpu_mosaic.MosaicConfig(64, 2, 1, block_q=1, transposed=True, profile_dir=str(tmp_path))
+    out = jax.jit(lambda *a: rpa.ragged_paged_attention(*a, sm_scale=0.1, impl="gpu", config=config))(*args)
+    jax.effects_barrier()
+    assert_matches_reference(out, args, 3, sm_scale=0.1)
+    (trace,) = glob.glob(str(tmp_path / "*-trace.json"))
+    names = {e["name"] for e in json.load(open(trace))["traceEvents"]}
+    assert {"prologue", "wait", "convert", "qk", "max", "exp", "p_store", "pv", "refill", "epilogue"} <= names
+
+
 @pytest.mark.parametrize("fields", [dict(compute_warpgroups=2), dict(transposed=1)])
 def test_mosaic_config_transposed_needs_one_warpgroup(fields):
     with pytest.raises(ValueError, match="`transposed`"):

@@ -259,6 +259,35 @@ def test_gemm_bench_times_each_projection_and_the_swiglu_product(tmp_path):
     assert all(not r["us"] <= 0 for r in data["rows"]) and any(r["us"] > 0 for r in data["rows"])
 
 
+def test_kernels_region_summary_reads_the_in_kernel_trace(tmp_path):
+    """`region_summary` on a trace in the on-device profiler's format (ts = (globaltimer ns + cycles)
+    / 1e3, one track per warpgroup, pid = 1 + SM): cycles per region, programs (tracks with a
+    prologue) and how many programs each SM started together."""
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import kernels
+
+    def track(tid, sm, start, blocks):
+        events, t = [], start
+        for name, cycles in [("prologue", 1000)] + [("wait", 300), ("qk", 200)] * blocks + [("epilogue", 500)]:
+            events += [dict(name=name, ph="B", ts=t, pid=1 + sm, tid=tid),
+                       dict(name=name, ph="E", ts=t + cycles / 1e3, pid=1 + sm, tid=tid)]
+            t += cycles / 1e3 + 0.01
+        return events
+
+    events = track(1, 0, 100.0, 2) + track(2, 0, 100.2, 2) + track(3, 1, 100.1, 4) + track(4, 0, 130.0, 2)
+    events += [dict(name="Init", ph="B", ts=100.0, pid=1, tid=9), dict(name="Init", ph="E", ts=100.1, pid=1, tid=9)]
+    path = tmp_path / "k-1-trace.json"
+    path.write_text(json.dumps({"displayTimeUnit": "ns", "traceEvents": events}))
+    s = kernels.region_summary(str(path))
+    assert s["programs"] == 4  # the Init-only track is not a program
+    assert s["programs_per_sm_at_launch"] == {1: 1, 2: 1}  # SM 0 started two at once (the third later)
+    wait = s["regions"]["wait"]
+    assert wait["events"] == 10 and wait["cycles_per_event"] == pytest.approx(300)
+    assert wait["cycles_per_program"] == pytest.approx(750)
+    assert s["regions"]["prologue"]["cycles_per_event"] == pytest.approx(1000)
+
+
 @pytest.mark.parametrize("text", ["mt:64,2,4,1", "mt:64,2,1", "m:128,3,1,1,1", "m:64,2,1,,2", "4,32,1,4,1"])
 def test_kernels_bench_config_names_round_trip(text):
     if BENCH not in sys.path:

@@ -76,10 +76,15 @@ class MosaicConfig:
     # item is one token; with taller blocks, sequences of one query token (decodes) get one-token items
     # and the others block_q-token blocks, in one launch (no key splits). One compute warpgroup.
     transposed: bool = False
+    # Diagnostics: a directory where each call writes an in-kernel trace (Mosaic GPU's on-device
+    # profiler: cycle stamps per warpgroup, kept in shared memory) of the transposed kernel's named
+    # regions (prologue, per key block wait / convert / qk / max / exp / p_store / pv / refill,
+    # epilogue). The stamps slow the kernel; `benchmarks/kernels.py --region-profile` reads the traces.
+    profile_dir: str | None = None
 
     def __post_init__(self):
         for name, value in vars(self).items():
-            if (name == "block_q" and value is None) or name == "transposed":
+            if (name == "block_q" and value is None) or name in ("transposed", "profile_dir"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MosaicConfig: `{name}` must be a positive int, got {value!r}")
@@ -88,6 +93,8 @@ class MosaicConfig:
         if self.compute_warpgroups == 2 and self.num_kv_splits != 1:
             raise ValueError("MosaicConfig: `num_kv_splits` must be 1 with two compute warpgroups, got "
                              f"{self.num_kv_splits!r}")
+        if self.profile_dir is not None and (not isinstance(self.profile_dir, str) or not self.profile_dir):
+            raise ValueError(f"MosaicConfig: `profile_dir` must be None or a directory path, got {self.profile_dir!r}")
         if not isinstance(self.transposed, bool):
             raise ValueError(f"MosaicConfig: `transposed` must be a bool, got {self.transposed!r}")
         if self.transposed and self.compute_warpgroups != 1:
@@ -394,10 +401,11 @@ def _kernel_t(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per
 
     @pl.when(it.n_tok > 0)
     def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[it.q_start, h // per_slab], q_smem, q_bar)
-        for i in range(num_stages):
-            pl.when(it.blk_lo + i < it.blk_hi)(functools.partial(issue, it.blk_lo + i, i))
-        plgpu.barrier_wait(q_bar)
+        with jax.named_scope("prologue"):
+            plgpu.copy_gmem_to_smem(q_ref.at[it.q_start, h // per_slab], q_smem, q_bar)
+            for i in range(num_stages):
+                pl.when(it.blk_lo + i < it.blk_hi)(functools.partial(issue, it.blk_lo + i, i))
+            plgpu.barrier_wait(q_bar)
 
         def step(b, carry, masked):
             acc, m, run_sum = carry
@@ -405,57 +413,67 @@ def _kernel_t(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per
             # The refill's page ids, loaded while this block's copies land.
             pages = _page_ids(meta_ref, it, b + num_stages, pages_at=pages_at, pages_per_seq=pages_per_seq,
                               pages_per_block=block_kv // page_size)
-            plgpu.barrier_wait(kv_bars.at[slot])
+            with jax.named_scope("wait"):
+                plgpu.barrier_wait(kv_bars.at[slot])
             k_tile, v_tile = k_at(slot), v_at(slot)
             if convert:  # K into registers (the wgmma's A); V in f16 over the stage's 8-bit K and V
-                k_tile = plgpu.layout_cast(_upcast(k_tile), plgpu.Layout.WGMMA)
-                v_f16 = _upcast(v_tile)
-                plgpu.commit_smem()  # every thread's reads of the stage are done
-                v_tile = vc.at[slot]
-                v_tile[...] = v_f16
-                plgpu.commit_smem()
+                with jax.named_scope("convert"):
+                    k_tile = plgpu.layout_cast(_upcast(k_tile), plgpu.Layout.WGMMA)
+                    v_f16 = _upcast(v_tile)
+                    plgpu.commit_smem()  # every thread's reads of the stage are done
+                    v_tile = vc.at[slot]
+                    v_tile[...] = v_f16
+                    plgpu.commit_smem()
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
                 return acc_ref[...]
 
-            s = _scale(pl.run_scoped(qk, plgpu.ACC((block_kv, cols), jnp.float32)), sm_scale, soft_cap)
+            with jax.named_scope("qk"):
+                s = _scale(pl.run_scoped(qk, plgpu.ACC((block_kv, cols), jnp.float32)), sm_scale, soft_cap)
             if masked:
                 key = b * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                 s = jnp.where((key >= it.kv_lo) & (key < it.kv_hi), s, -jnp.inf)
                 _zero_masked_v(v_tile, b, it, block_kv)
-            m_new = jnp.maximum(m, s.max(axis=0))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-            run_sum = run_sum * lax.broadcast_in_dim(alpha, run_sum.shape, [1]) + p
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-            p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)
-            plgpu.commit_smem()
+            with jax.named_scope("max"):  # down the columns: across the warpgroup's four warps
+                m_new = jnp.maximum(m, s.max(axis=0))
+            with jax.named_scope("exp"):
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+                run_sum = run_sum * lax.broadcast_in_dim(alpha, run_sum.shape, [1]) + p
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+            with jax.named_scope("p_store"):
+                p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)
+                plgpu.commit_smem()
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
 
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            pl.when(b + num_stages < it.blk_hi)(functools.partial(issue, b + num_stages, slot, pages))
+            with jax.named_scope("pv"):
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            with jax.named_scope("refill"):
+                pl.when(b + num_stages < it.blk_hi)(functools.partial(issue, b + num_stages, slot, pages))
             return acc, m_new, run_sum
 
         carry = (plgpu.layout_cast(jnp.zeros((head_dim, cols), jnp.float32), plgpu.Layout.WGMMA),
                  plgpu.layout_cast(jnp.full((cols,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
                  plgpu.layout_cast(jnp.zeros((block_kv, cols), jnp.float32), plgpu.Layout.WGMMA))
         acc, m, run_sum = _key_loops(step, it, carry, window)
-        denom = run_sum.sum(axis=0)
-        out, safe = _normalise(acc, denom, dim=1)
-        o_smem.transpose((1, 0))[...] = plgpu.layout_cast(out.astype(o_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-        rows = pl.ds(lax.rem(h, per_slab) * group, group)
-        if splits == 1:
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[it.q_start, h])
-        else:
-            lse_smem[...] = jnp.where(denom > 0.0, m + jnp.log2(safe), -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, it.q_start, h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[split, it.q_start, h])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("epilogue"):
+            denom = run_sum.sum(axis=0)
+            out, safe = _normalise(acc, denom, dim=1)
+            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(out.astype(o_smem.dtype),
+                                                              plgpu.Layout.WGMMA_TRANSPOSED)
+            rows = pl.ds(lax.rem(h, per_slab) * group, group)
+            if splits == 1:
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[it.q_start, h])
+            else:
+                lse_smem[...] = jnp.where(denom > 0.0, m + jnp.log2(safe), -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, it.q_start, h])
+                plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[split, it.q_start, h])
+            plgpu.wait_smem_to_gmem(0)
 
 
 def _kernel_ws(meta_ref, q_ref, kv_ref, o_ref, *, num_items, num_seqs_max, pages_per_seq, block_q, block_kv,
@@ -629,7 +647,7 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
                   soft_cap=None if soft_cap is None else float(soft_cap),
                   window=None if sliding_window is None else int(sliding_window))
     static_t = {k: v for k, v in static.items() if k != "block_q"}
-    params = plgpu.CompilerParams(approx_math=True)
+    params = plgpu.CompilerParams(approx_math=True, **_profiler_params(config, pages_per_seq * page_size))
     if wgs == 2:
         # Heads vary fastest and items run last first: the items with the most keys start first.
         out = plgpu.kernel(
@@ -666,6 +684,20 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         )(meta, qg, kv_cache)
     out = res if splits == 1 else _merge_splits(*res).astype(q.dtype)
     return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+# Named regions per key block in `_kernel_t`, and per program (prologue, epilogue, the profiler's own).
+PROFILED_REGIONS_PER_BLOCK = 8
+
+
+def _profiler_params(config: MosaicConfig, max_kv_len: int) -> dict:
+    """`plgpu.CompilerParams` settings for `config.profile_dir`: room for every region of a program
+    with the most key blocks (traces that would overflow are cut short, not written past the buffer)."""
+    if config.profile_dir is None:
+        return {}
+    blocks = -(-max_kv_len // config.block_kv) + 1
+    return dict(profile_space=PROFILED_REGIONS_PER_BLOCK * blocks + 4, profile_dir=config.profile_dir,
+                profile_bounds_check=True)
 
 
 def mixed_items(cu_q_lens, num_seqs, num_tokens: int, block_q: int):
