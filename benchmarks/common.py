@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.engine_config import KV_CACHE_DTYPES
+from jengine.engine_config import KV_CACHE_DTYPES, PAGE_SIZES
 
 H200_COPY_BW = 4.3e12  # bytes/s, measured device copy ceiling (shared/BENCHMARKS.md)
 
@@ -23,15 +23,16 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
     parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default: the engine's)")
-    parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
-    parser.add_argument("--seq-buckets", type=int, nargs="+", default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-model-len", type=positive_int, default=2048)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    parser.add_argument("--block-size", type=int, default=None, choices=PAGE_SIZES,
+                        help="tokens per KV page (default: the engine's)")
+    parser.add_argument("--token-buckets", type=positive_int, nargs="+", default=None)
+    parser.add_argument("--seq-buckets", type=positive_int, nargs="+", default=None)
+    parser.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     parser.add_argument("--compilation-cache-dir", default=None,
                         help="JAX's and jengine's compile caches (default: the engine's); 'none' compiles afresh")
     parser.add_argument("--output-json", default=None)
@@ -206,11 +207,11 @@ def engine_args(args, **overrides) -> dict:
     kw = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format,
               max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=getattr(args, "block_size", None),
+              block_size=args.block_size,
               token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
               seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+              tensor_parallel_size=args.tensor_parallel_size)
     kw.update(overrides)
     kw = {k: v for k, v in kw.items() if v is not None}
     cache_dir = getattr(args, "compilation_cache_dir", None)

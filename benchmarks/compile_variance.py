@@ -118,8 +118,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--child-timeout", type=positive_float, default=900)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if min(args.alongside) < 0 or args.warmup_calls < 0:
-        parser.error("--alongside and --warmup-calls must be >= 0")
     if args.child:
         child(args)
         return {}

@@ -26,7 +26,7 @@ from common import H200_COPY_BW, non_negative_int, positive_int, streamed_weight
 
 from jengine.buckets import seq_bucket
 from jengine.engine import LLMEngine
-from jengine.engine_config import KV_CACHE_DTYPES, EngineConfig
+from jengine.engine_config import KV_CACHE_DTYPES, PAGE_SIZES, EngineConfig
 from jengine.runner import build_step_input
 from jengine.sampler import build_sampling_tensors
 from jengine.sampling_params import SamplingParams
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                              "(one layer's chain: which fusions sit between the GEMMs, with gaps)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
-    parser.add_argument("--block-size", type=positive_int, default=EngineConfig.block_size,
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size, choices=PAGE_SIZES,
                         help="tokens per KV page (default: the engine's)")
     parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default flags"))

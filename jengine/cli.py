@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from jengine.engine_config import KV_CACHE_DTYPES
+from jengine.engine_config import KV_CACHE_DTYPES, PAGE_SIZES, EngineConfig
 from jengine.presets import DEFAULT_MODEL
 
 
@@ -21,7 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default 256 (8 on the CPU)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 2048 (128 on the CPU)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size, choices=PAGE_SIZES,
+                        help="tokens per KV page")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for preempted KV")
     parser.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"))

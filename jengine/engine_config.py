@@ -11,6 +11,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 # vLLM's names: "auto" keeps the model's dtype; "fp8" is e4m3 (8-bit K/V, saturated, no scale)
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PAGE_SIZES = (8, 16, 32, 64, 128)  # block_size: tokens per KV page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +27,10 @@ class EngineConfig:
     max_num_seqs: int | None = None  # 256 on an accelerator, 8 on the CPU
     max_num_batched_tokens: int | None = None
     # Tokens per KV page. On an H200, 64-token pages made the attention kernels 5-11% faster (one bulk copy
-    # per page) and the 8B throughput run 0.9-4.5% faster, but the batch-64 latency run slower (5.74 against
-    # 5.39 ms per step): XLA re-recorded the step's CUDA graphs for 4.0 instead of 1.1 ms of host time per
-    # step, as their temporaries moved between steps. So the default stays vLLM's 16 (RESULTS.md, sessions
-    # 15-16).
+    # per page) and the 8B throughput run 0.7-4.5% faster, but on some machines the batch-64 latency run
+    # slower (5.74 against 5.39 ms per step): XLA re-recorded the step's CUDA graphs for 4.0 instead of 1.1
+    # ms of host time per step, as their temporaries moved between steps (session 18's machine showed no
+    # slowdown; the cause is open). So the default stays vLLM's 16 (RESULTS.md, sessions 15-16 and 18).
     # Prefix caching shares whole pages: smaller pages share shorter prefixes.
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -59,8 +60,8 @@ class EngineConfig:
         positive_int("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
         positive_int("data_parallel_size", self.data_parallel_size, allow_none=False)
         if (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
-                or self.block_size not in (8, 16, 32, 64, 128)):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
+                or self.block_size not in PAGE_SIZES):
+            raise ValueError(f"block_size must be one of {', '.join(map(str, PAGE_SIZES))}, got {self.block_size!r}")
         for name in ("gpu_memory_utilization", "swap_space"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):

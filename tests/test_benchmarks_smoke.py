@@ -330,6 +330,11 @@ def test_engine_flags_pass_the_compilation_cache_dir_or_turn_it_off():
     # the KV page size: the engine's default unless asked
     assert "block_size" not in engine_args(parser.parse_args([]))
     assert engine_args(parser.parse_args(["--block-size", "64"]))["block_size"] == 64
+    # bad engine flags are usage errors, not tracebacks from the engine's constructor
+    for bad in (["--block-size", "24"], ["--max-num-seqs", "0"], ["--token-buckets", "64", "-8"],
+                ["--gpu-memory-utilization", "0"], ["-tp", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
 
 
 def test_compile_variance_reports_each_fresh_compile(tmp_path):

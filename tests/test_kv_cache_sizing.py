@@ -148,6 +148,20 @@ def test_unsupported_page_sizes_are_refused(bad):
         EngineConfig(model="jengine/tiny-llama", block_size=bad)
 
 
+def test_cli_block_size_flag_takes_the_engine_page_sizes_only(capsys):
+    import argparse
+
+    from jengine.cli import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).block_size == EngineConfig.block_size
+    assert parser.parse_args(["--block-size", "64"]).block_size == 64
+    with pytest.raises(SystemExit):  # a usage error naming the choices, before any engine is built
+        parser.parse_args(["--block-size", "24"])
+    assert "--block-size" in capsys.readouterr().err
+
+
 class StatlessGpu:
     """A GPU whose allocator keeps no statistics (XLA's VMM allocator)."""
     platform = "gpu"
