@@ -4,7 +4,7 @@ The tiny f32 models of test_engine.py take the Triton kernel, so this file serve
 8B-like heads through the engine under batching, chunked prefill (mixed buckets), prefix caching and
 preemption, and holds every greedy token to an f32 forward pass of the same weights over the same
 tokens: the token must be the f32 argmax, or within bf16 noise of it. Skipped elsewhere; on CPU the
-kernel is lowered for CUDA in test_attention_kernels.py.
+kernel is lowered for CUDA in test_attention_mosaic.py.
 """
 
 from __future__ import annotations
