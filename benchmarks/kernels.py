@@ -225,6 +225,17 @@ def region_summary(trace_path):
     return dict(programs=programs, regions=regions, programs_per_sm_at_launch=dict(sorted(together.items())))
 
 
+def transposed_config(cfg, args, page_size):
+    """The transposed Mosaic config a timed row ran (`cfg`, or the table's for `cfg` None), or None when
+    it ran another kernel (the Triton one, or a non-transposed Mosaic tile): only that kernel has
+    named regions."""
+    if cfg is None:
+        q, cache, _, table, _, _ = args
+        cfg = gpu_mosaic.tuned_config(q.shape[0], table.shape[0], cache.shape[1], table.shape[1] * page_size,
+                                      q.shape[2], fp8_cache=reference.is_fp8(cache.dtype))
+    return cfg if isinstance(cfg, gpu_mosaic.MosaicConfig) and cfg.transposed else None
+
+
 def profile_regions(fn, args, cfg, directory):
     """Run `fn` once with `cfg` (a transposed Mosaic config) writing its in-kernel trace to `directory`,
     and return `region_summary` of it."""
@@ -357,14 +368,10 @@ def main(argv=None):
                     ratio = f"{bundled_us / us:9.2f}x" if bundled_us else ""
                     print(f"{mode:8}{b:>5}{ctx:>7}  {name:24}{us:10.1f}{row['kv_tb_s']:9.2f}"
                           f"{row['tflop_s']:9.1f}{ratio:>10}", flush=True)
-                    mosaic_or_table = cfg is None or isinstance(cfg, gpu_mosaic.MosaicConfig)
-                    if a.region_profile and mode == "decode" and mosaic_or_table:
-                        mosaic = cfg or gpu_mosaic.tuned_config(sum(q_lens), len(q_lens), HKV,
-                                                                args[3].shape[1] * a.page_size, D,
-                                                                fp8_cache=reference.is_fp8(kv_dtype))
-                        if mosaic.transposed:
-                            row["regions"] = profile_regions(fn, args, mosaic, a.region_profile)
-                            print_regions(row["regions"])
+                    profiled = transposed_config(cfg, args, a.page_size) if a.region_profile else None
+                    if profiled is not None and mode == "decode":
+                        row["regions"] = profile_regions(fn, args, profiled, a.region_profile)
+                        print_regions(row["regions"])
                 if bundled_us:
                     print(f"{'':8}{'':>5}{'':>7}  {'bundled paged_attention':24}{bundled_us:10.1f}"
                           f"{kv_bytes / bundled_us / 1e6:9.2f}", flush=True)

@@ -288,6 +288,21 @@ def test_kernels_region_summary_reads_the_in_kernel_trace(tmp_path):
     assert s["regions"]["prologue"]["cycles_per_event"] == pytest.approx(1000)
 
 
+def test_kernels_region_profile_applies_to_the_transposed_mosaic_kernel_only():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import jax
+    import kernels
+
+    args = kernels.make_batch(jax.random.key(0), [1] * 8, [640] * 8, page_size=16, dtype=jax.numpy.bfloat16,
+                              kv_dtype=jax.numpy.float8_e4m3fn)
+    table = kernels.transposed_config(None, args, 16)  # a decode bucket: the table's transposed tile
+    assert table is not None and table.transposed and table.block_q == 1
+    assert kernels.transposed_config(kernels.parse_config("mt:64,3,1,1"), args, 16).num_stages == 3
+    for other in ("triton", "m:64,2,1", "4,32,1,4,1"):
+        assert kernels.transposed_config(kernels.parse_config(other), args, 16) is None
+
+
 @pytest.mark.parametrize("text", ["mt:64,2,4,1", "mt:64,2,1", "m:128,3,1,1,1", "m:64,2,1,,2", "4,32,1,4,1"])
 def test_kernels_bench_config_names_round_trip(text):
     if BENCH not in sys.path:

@@ -79,7 +79,8 @@ class MosaicConfig:
     # Diagnostics: a directory where each call writes an in-kernel trace (Mosaic GPU's on-device
     # profiler: cycle stamps per warpgroup, kept in shared memory) of the transposed kernel's named
     # regions (prologue, per key block wait / convert / qk / max / exp / p_store / pv / refill,
-    # epilogue). The stamps slow the kernel; `benchmarks/kernels.py --region-profile` reads the traces.
+    # epilogue). The stamps add work at every region's edges, so time the kernel without them;
+    # `benchmarks/kernels.py --region-profile` reads the traces.
     profile_dir: str | None = None
 
     def __post_init__(self):
@@ -686,8 +687,7 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
 
-# Named regions per key block in `_kernel_t`, and per program (prologue, epilogue, the profiler's own).
-PROFILED_REGIONS_PER_BLOCK = 8
+PROFILED_REGIONS_PER_BLOCK = 8  # named regions per key block in `_kernel_t` (wait ... refill)
 
 
 def _profiler_params(config: MosaicConfig, max_kv_len: int) -> dict:
@@ -696,7 +696,8 @@ def _profiler_params(config: MosaicConfig, max_kv_len: int) -> dict:
     if config.profile_dir is None:
         return {}
     blocks = -(-max_kv_len // config.block_kv) + 1
-    return dict(profile_space=PROFILED_REGIONS_PER_BLOCK * blocks + 4, profile_dir=config.profile_dir,
+    per_program = 4  # prologue, epilogue and the profiler's own, with one to spare
+    return dict(profile_space=PROFILED_REGIONS_PER_BLOCK * blocks + per_program, profile_dir=config.profile_dir,
                 profile_bounds_check=True)
 
 
