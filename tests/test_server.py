@@ -251,7 +251,6 @@ def test_a_stream_accumulates_the_engines_delta_outputs():
     assert acc.finished and acc.prompt_logprobs == [None, {2: None}] and c.cumulative_logprob == -1.0
 
 
-
 @pytest.mark.parametrize("message,param", [
     ("top_p must be in (0, 1], got 2", "top_p"), ("logit_bias[7] must be a number, got 'x'", "logit_bias"),
     ("send exactly one of 'prompt' or 'messages'", None), ("this model has no tokenizer; send token ids", None),
