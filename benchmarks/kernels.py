@@ -261,9 +261,8 @@ def print_regions(summary):
 def parse_config(text):
     """'' = the table (on Hopper: the Mosaic kernel); 'triton' = the Triton kernel as its table runs it;
     'm:block_kv,stages,splits[,block_q[,compute_warpgroups]]' = a Mosaic tile (an empty block_q: the
-    default); 'mt:block_kv,stages,splits[,block_q[,kv_heads]]' = the transposed Mosaic kernel's (block_q 1: decode
-    buckets' one-token items, which the table uses and which key splits need; none: prompt blocks too;
-    kv_heads: kv heads per program, with block_q 1);
+    default); 'mt:block_kv,stages,splits[,block_q]' = the transposed Mosaic kernel's (block_q 1: decode
+    buckets' one-token items, which the table uses and which key splits need; none: prompt blocks too);
     'block_q,block_kv,splits,warps,stages' = a Triton tile (one launch)."""
     if not text:
         return None
@@ -271,10 +270,7 @@ def parse_config(text):
         return "triton"
     if text.startswith("mt:"):
         fields = [int(x) if x else None for x in text[3:].split(",")]
-        extra = dict(block_q=fields[3] if len(fields) > 3 else None, transposed=True)
-        if len(fields) > 4:
-            extra["kv_heads_per_program"] = fields[4]
-        return gpu_mosaic.MosaicConfig(*fields[:3], **extra)
+        return gpu_mosaic.MosaicConfig(*fields[:3], block_q=fields[3] if len(fields) > 3 else None, transposed=True)
     if text.startswith("m:"):
         return gpu_mosaic.MosaicConfig(*(int(x) if x else None for x in text[2:].split(",")))
     return gpu_kernel.GpuConfig(*(int(x) for x in text.split(",")))
@@ -285,10 +281,9 @@ def config_name(cfg):
     if isinstance(cfg, gpu_mosaic.MosaicConfig):
         if cfg.transposed:
             block_q = "" if cfg.block_q is None else f",{cfg.block_q}"
-            heads = "" if cfg.kv_heads_per_program == 1 else f",{cfg.kv_heads_per_program}"
-            return f"mt:{cfg.block_kv},{cfg.num_stages},{cfg.num_kv_splits}{block_q}{heads}"
+            return f"mt:{cfg.block_kv},{cfg.num_stages},{cfg.num_kv_splits}{block_q}"
         return "m:" + ",".join("" if v is None else str(v) for k, v in vars(cfg).items()
-                               if k not in ("transposed", "profile_dir", "kv_heads_per_program"))
+                               if k not in ("transposed", "profile_dir"))
     return ",".join(str(v) for v in vars(cfg).values())
 
 
@@ -303,7 +298,7 @@ def main(argv=None):
     p.add_argument("--impl", default=None, help="gpu / tpu / reference (default: by backend)")
     p.add_argument("--configs", default="", help="';'-separated configs to time side by side (default: the "
                    "table): '' (the table), 'triton' (the Triton table tile), "
-                   "'m:block_kv,stages,splits[,block_q[,wgs]]' (Mosaic tile), 'mt:block_kv,stages,splits[,block_q[,kv_heads]]' "
+                   "'m:block_kv,stages,splits[,block_q[,wgs]]' (Mosaic tile), 'mt:block_kv,stages,splits[,block_q]' "
                    "(transposed Mosaic tile; block_q 1 for decode buckets' items), "
                    "'block_q,block_kv,splits,warps,stages' (Triton tile)")
     p.add_argument("--max-tokens", type=positive_int, default=65536, help="skip prefill shapes with more q tokens")

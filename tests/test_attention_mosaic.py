@@ -33,8 +33,7 @@ MOSAIC_CONFIGS = [None, gpu_mosaic.MosaicConfig(64, 2, 3), gpu_mosaic.MosaicConf
                   gpu_mosaic.MosaicConfig(64, 3, 1, block_q=8, compute_warpgroups=2),
                   gpu_mosaic.MosaicConfig(64, 2, 1, transposed=True),
                   gpu_mosaic.MosaicConfig(64, 3, 3, block_q=1, transposed=True),
-                  gpu_mosaic.MosaicConfig(128, 2, 2, block_q=1, transposed=True),
-                  gpu_mosaic.MosaicConfig(64, 2, 3, block_q=1, transposed=True, kv_heads_per_program=2)]
+                  gpu_mosaic.MosaicConfig(128, 2, 2, block_q=1, transposed=True)]
 
 
 def _on_hopper():
@@ -46,7 +45,7 @@ def _on_hopper():
 @pytest.mark.parametrize("config", MOSAIC_CONFIGS, ids=["table", "64x2_split3", "128x3", "block_q1",
                                                         "prefill_tile", "two_wg", "two_wg_64x3_bq8",
                                                         "transposed", "transposed_64x3_split3",
-                                                        "transposed_128x2_split2", "transposed_split3_heads2"])
+                                                        "transposed_128x2_split2"])
 @pytest.mark.parametrize("name,q_lens,kv_lens,options", MOSAIC_CASES, ids=[c[0] for c in MOSAIC_CASES])
 def test_mosaic_kernel(name, q_lens, kv_lens, options, config):
     import jax
@@ -69,13 +68,8 @@ def test_mosaic_kernel(name, q_lens, kv_lens, options, config):
 @pytest.mark.parametrize("config", [None, gpu_mosaic.MosaicConfig(64, 2, 3), gpu_mosaic.MosaicConfig(128, 3, 1),
                                     gpu_mosaic.MosaicConfig(64, 2, 1),
                                     gpu_mosaic.MosaicConfig(64, 2, 1, transposed=True),
-                                    gpu_mosaic.MosaicConfig(128, 2, 3, block_q=1, transposed=True),
-                                    gpu_mosaic.MosaicConfig(64, 2, 1, block_q=1, transposed=True,
-                                                            kv_heads_per_program=2),
-                                    gpu_mosaic.MosaicConfig(64, 3, 2, block_q=1, transposed=True,
-                                                            kv_heads_per_program=2)],
-                         ids=["table", "64x2_split3", "128x3", "prefill_tile", "transposed", "transposed_128x2_split3",
-                              "transposed_heads2", "transposed_64x3_split2_heads2"])
+                                    gpu_mosaic.MosaicConfig(128, 2, 3, block_q=1, transposed=True)],
+                         ids=["table", "64x2_split3", "128x3", "prefill_tile", "transposed", "transposed_128x2_split3"])
 @pytest.mark.parametrize("name,q_lens,kv_lens,options", MOSAIC_CASES, ids=[c[0] for c in MOSAIC_CASES])
 def test_mosaic_kernel_with_an_8bit_cache(name, q_lens, kv_lens, options, config):
     import jax
@@ -130,33 +124,6 @@ def test_transposed_kernel_lowers_for_other_groups_and_head_sizes(group, head_di
     config = gpu_mosaic.MosaicConfig(64, 2, 1, block_q=block_q, transposed=True)
     kernel = jax.jit(lambda *a: gpu_mosaic.ragged_attention_mosaic(*a, sm_scale=0.1, soft_cap=20.0, config=config))
     assert "mosaic_gpu" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.mark.parametrize("kv_dtype", [None, jnp.float8_e4m3fn])
-def test_transposed_kernel_lowers_with_two_kv_heads_per_program(kv_dtype):
-    """Group 4, four kv heads: two slabs of Q, each computed by one program (the GPU tests run two kv
-    heads, one slab)."""
-    import jax
-
-    args = make_case(6, [1, 1, 1], [40, 130, 6], group=4, head_dim=128, page_size=16, dtype=jnp.bfloat16,
-                     kv_dtype=kv_dtype, num_kv_heads=4)
-    config = gpu_mosaic.MosaicConfig(64, 2, 2, block_q=1, transposed=True, kv_heads_per_program=2)
-    kernel = jax.jit(lambda *a: gpu_mosaic.ragged_attention_mosaic(*a, sm_scale=0.1, config=config))
-    assert "mosaic_gpu" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def test_kv_heads_per_program_is_validated():
-    with pytest.raises(ValueError, match="kv_heads_per_program"):
-        gpu_mosaic.MosaicConfig(64, 2, 1, transposed=True, kv_heads_per_program=2)  # the mixed launch
-    with pytest.raises(ValueError, match="kv_heads_per_program"):
-        gpu_mosaic.MosaicConfig(64, 2, 1, block_q=1, kv_heads_per_program=2)  # not transposed
-    with pytest.raises(ValueError, match="kv_heads_per_program"):
-        gpu_mosaic.MosaicConfig(64, 2, 1, block_q=1, transposed=True, kv_heads_per_program=0)
-    # group 8: each slab of Q holds one kv head's group
-    args = make_case(7, [1, 1], [40, 9], group=8, head_dim=128, page_size=16, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="kv heads per program"):
-        gpu_mosaic.ragged_attention_mosaic(*args, sm_scale=0.1, config=gpu_mosaic.MosaicConfig(
-            64, 2, 1, block_q=1, transposed=True, kv_heads_per_program=2))
 
 
 def test_table_picks_the_mosaic_kernel_on_hopper_where_it_supports_the_shapes(monkeypatch):

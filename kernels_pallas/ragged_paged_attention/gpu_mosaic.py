@@ -76,9 +76,6 @@ class MosaicConfig:
     # item is one token; with taller blocks, sequences of one query token (decodes) get one-token items
     # and the others block_q-token blocks, in one launch (no key splits). One compute warpgroup.
     transposed: bool = False
-    # Transposed decode kernel (block_q 1): kv heads per program, 1 or all those whose query heads share a
-    # slab of Q (group 4: 2); the program runs one softmax for all of them (see `_kernel_t`).
-    kv_heads_per_program: int = 1
     # Diagnostics: a directory where each call writes an in-kernel trace (Mosaic GPU's on-device
     # profiler: cycle stamps per warpgroup, kept in shared memory) of the transposed kernel's named
     # regions (prologue, per key block wait / convert / qk / max / exp / p_store / pv / refill,
@@ -101,9 +98,6 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig: `profile_dir` must be None or a directory path, got {self.profile_dir!r}")
         if not isinstance(self.transposed, bool):
             raise ValueError(f"MosaicConfig: `transposed` must be a bool, got {self.transposed!r}")
-        if self.kv_heads_per_program > 1 and not (self.transposed and self.block_q == 1):
-            raise ValueError("MosaicConfig: `kv_heads_per_program` above 1 needs the transposed kernel with "
-                             f"one-token blocks (transposed=True, block_q=1), got {self!r}")
         if self.transposed and self.compute_warpgroups != 1:
             raise ValueError("MosaicConfig: `transposed` needs one compute warpgroup, got compute_warpgroups "
                              f"{self.compute_warpgroups!r}")
@@ -271,13 +265,12 @@ def _normalise(acc, denom, dim=0):
 # bf16 only through f32 with this ptxas), and this load layout was the fastest of WGMMA, WGMMA_8BIT and
 # WGMMA_UPCAST_2X on an H200 (RESULTS.md, session 9).
 FP8_LOAD_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
-FP8_K_LOAD_LAYOUT = FP8_LOAD_LAYOUT  # the transposed kernel's K, headed for the wgmma's registers
 F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
-def _upcast(ref, layout=None):
+def _upcast(ref):
     """An 8-bit tile in shared memory, in registers as f16."""
-    return plgpu.load(ref, layout=layout or FP8_LOAD_LAYOUT).astype(jnp.float16)
+    return plgpu.load(ref, layout=FP8_LOAD_LAYOUT).astype(jnp.float16)
 
 
 def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_q, block_kv,
@@ -375,15 +368,12 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
 
 
 def _kernel_t(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_kv,
-              num_stages, page_size, sm_scale, soft_cap, window, group, per_slab, heads):
+              num_stages, page_size, sm_scale, soft_cap, window, group, per_slab):
     """Transposed, for one-token query blocks: the block's keys are the wgmma's rows and the token's
-    query heads its columns: a slab of Q rows holding `per_slab` kv heads' groups, or one group padded
-    to a multiple of 8. A program computes `heads` kv heads of its slab (1, or all `per_slab`: then
-    each column is some head's and the softmax runs once for all of them); other heads' columns are
-    computed and never stored.
-    Per key block: S^T = K Q^T [block_kv, cols] per head (columns taken from their own head's), a
-    softmax down the columns (running sums kept per key row, reduced once at the end), P^T to shared
-    memory, then O^T += V^T P^T [head_dim, cols] per head."""
+    query heads its columns: a slab of Q rows holding `per_slab` kv heads' groups (the other heads'
+    columns are computed and never stored), or one group padded to a multiple of 8.
+    Per key block: S^T = K Q^T [block_kv, cols], a softmax down the columns (running sums kept per key
+    row, reduced once at the end), P^T to shared memory, then O^T += V^T P^T [head_dim, cols]."""
     refs = list(refs)
     convert = kv_ref.dtype != q_ref.dtype
     q_bar, kv_bars = refs[-2:]
@@ -392,123 +382,98 @@ def _kernel_t(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per
         (o_ref, q_smem, *slots, p_smem, o_smem), lse_ref, lse_smem = refs, None, None
     else:
         o_ref, lse_ref, q_smem, *slots, p_smem, o_smem, lse_smem = refs
-    if convert:  # one union: each stage's 8-bit K and V per head, or that stage's V in f16 per head
+    if convert:  # one union: each stage's 8-bit K and V, or that stage's V in f16
         (kv8, vc), = slots
-        k_at, v_at = (lambda slot, j: kv8.at[slot * heads + j, 0]), (lambda slot, j: kv8.at[slot * heads + j, 1])
+        k_at, v_at = (lambda slot: kv8.at[slot, 0]), (lambda slot: kv8.at[slot, 1])
     else:
         k_smem, v_smem = slots
-        k_at, v_at = (lambda slot, j: k_smem.at[slot * heads + j]), (lambda slot, j: v_smem.at[slot * heads + j])
-    h0 = lax.axis_index("head") * heads  # this program's first kv head
+        k_at, v_at = (lambda slot: k_smem.at[slot]), (lambda slot: v_smem.at[slot])
+    h = lax.axis_index("head")
     split = lax.axis_index("split")
     it = _Item(meta_ref, lax.axis_index("item"), split, num_items=num_items,
                num_seqs_max=num_seqs_max, block_kv=block_kv, splits=splits, window=window)
     cols, head_dim = q_smem.shape
     pages_at = 3 * num_items + 2 * num_seqs_max + 1
-    copy = functools.partial(_copy_pages, meta_ref, kv_ref, it=it, pages_at=pages_at,
+    copy = functools.partial(_copy_pages, meta_ref, kv_ref, it=it, h=h, pages_at=pages_at,
                              pages_per_seq=pages_per_seq, page_size=page_size)
 
     def issue(b, slot, pages=None):
-        if pages is None:
-            pages = _page_ids(meta_ref, it, b, pages_at=pages_at, pages_per_seq=pages_per_seq,
-                              pages_per_block=block_kv // page_size)
-        for j in range(heads):
-            copy(h=h0 + j, b=b, dsts=((0, k_at(slot, j), kv_bars.at[slot]), (1, v_at(slot, j), kv_bars.at[slot])),
-                 pages=pages)
-
-    def by_head(tiles, dim):
-        """One tile whose columns (along `dim`) each come from their own head's tile."""
-        if heads == 1:
-            return tiles[0]
-        col = plgpu.broadcasted_iota(jnp.int32, tiles[0].shape, dim, layout=plgpu.Layout.WGMMA) // group
-        out = tiles[0]
-        for j in range(1, heads):
-            out = jnp.where(col == j, tiles[j], out)
-        return out
+        copy(b=b, dsts=((0, k_at(slot), kv_bars.at[slot]), (1, v_at(slot), kv_bars.at[slot])), pages=pages)
 
     @pl.when(it.n_tok > 0)
     def _():
         with jax.named_scope("prologue"):
-            plgpu.copy_gmem_to_smem(q_ref.at[it.q_start, h0 // per_slab], q_smem, q_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[it.q_start, h // per_slab], q_smem, q_bar)
             for i in range(num_stages):
                 pl.when(it.blk_lo + i < it.blk_hi)(functools.partial(issue, it.blk_lo + i, i))
             plgpu.barrier_wait(q_bar)
 
         def step(b, carry, masked):
-            accs, m, run_sum = carry
+            acc, m, run_sum = carry
             slot = lax.rem(b - it.blk_lo, num_stages)
             # The refill's page ids, loaded while this block's copies land.
             pages = _page_ids(meta_ref, it, b + num_stages, pages_at=pages_at, pages_per_seq=pages_per_seq,
                               pages_per_block=block_kv // page_size)
             with jax.named_scope("wait"):
                 plgpu.barrier_wait(kv_bars.at[slot])
-            k_tiles = [k_at(slot, j) for j in range(heads)]
-            v_tiles = [v_at(slot, j) for j in range(heads)]
+            k_tile, v_tile = k_at(slot), v_at(slot)
             if convert:  # K into registers (the wgmma's A); V in f16 over the stage's 8-bit K and V
                 with jax.named_scope("convert"):
-                    k_tiles = [plgpu.layout_cast(_upcast(k, FP8_K_LOAD_LAYOUT), plgpu.Layout.WGMMA)
-                               for k in k_tiles]
-                    v_f16 = [_upcast(v) for v in v_tiles]
+                    k_tile = plgpu.layout_cast(_upcast(k_tile), plgpu.Layout.WGMMA)
+                    v_f16 = _upcast(v_tile)
                     plgpu.commit_smem()  # every thread's reads of the stage are done
-                    v_tiles = [vc.at[slot * heads + j] for j in range(heads)]
-                    for v_tile, v in zip(v_tiles, v_f16):
-                        v_tile[...] = v
+                    v_tile = vc.at[slot]
+                    v_tile[...] = v_f16
                     plgpu.commit_smem()
 
-            def qk(k_tile, acc_ref):
+            def qk(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
                 return acc_ref[...]
 
             with jax.named_scope("qk"):
-                s = by_head([pl.run_scoped(functools.partial(qk, k), plgpu.ACC((block_kv, cols), jnp.float32))
-                             for k in k_tiles], 1)
-                s = _scale(s, sm_scale, soft_cap)
+                s = _scale(pl.run_scoped(qk, plgpu.ACC((block_kv, cols), jnp.float32)), sm_scale, soft_cap)
             if masked:
                 key = b * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                 s = jnp.where((key >= it.kv_lo) & (key < it.kv_hi), s, -jnp.inf)
-                for v_tile in v_tiles:
-                    _zero_masked_v(v_tile, b, it, block_kv)
+                _zero_masked_v(v_tile, b, it, block_kv)
             with jax.named_scope("max"):  # down the columns: across the warpgroup's four warps
                 m_new = jnp.maximum(m, s.max(axis=0))
             with jax.named_scope("exp"):
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
                 run_sum = run_sum * lax.broadcast_in_dim(alpha, run_sum.shape, [1]) + p
-                accs = [acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) for acc in accs]
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
             with jax.named_scope("p_store"):
                 p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)
                 plgpu.commit_smem()
 
-            def pv(v_tile, acc_ref):
+            def pv(acc_ref):
                 plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
 
             with jax.named_scope("pv"):
-                accs = [pl.run_state(functools.partial(pv, v))(plgpu.ACC.init(acc))
-                        for v, acc in zip(v_tiles, accs)]
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             with jax.named_scope("refill"):
                 pl.when(b + num_stages < it.blk_hi)(functools.partial(issue, b + num_stages, slot, pages))
-            return accs, m_new, run_sum
+            return acc, m_new, run_sum
 
-        zeros = jnp.zeros((head_dim, cols), jnp.float32)
-        carry = ([plgpu.layout_cast(zeros, plgpu.Layout.WGMMA) for _ in range(heads)],
+        carry = (plgpu.layout_cast(jnp.zeros((head_dim, cols), jnp.float32), plgpu.Layout.WGMMA),
                  plgpu.layout_cast(jnp.full((cols,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
                  plgpu.layout_cast(jnp.zeros((block_kv, cols), jnp.float32), plgpu.Layout.WGMMA))
-        accs, m, run_sum = _key_loops(step, it, carry, window)
+        acc, m, run_sum = _key_loops(step, it, carry, window)
         with jax.named_scope("epilogue"):
             denom = run_sum.sum(axis=0)
-            out, safe = _normalise(by_head(accs, 1), denom, dim=1)
+            out, safe = _normalise(acc, denom, dim=1)
             o_smem.transpose((1, 0))[...] = plgpu.layout_cast(out.astype(o_smem.dtype),
                                                               plgpu.Layout.WGMMA_TRANSPOSED)
-            if splits > 1:
+            rows = pl.ds(lax.rem(h, per_slab) * group, group)
+            if splits == 1:
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[it.q_start, h])
+            else:
                 lse_smem[...] = jnp.where(denom > 0.0, m + jnp.log2(safe), -jnp.inf)
-            plgpu.commit_smem()
-            for j in range(heads):
-                h = h0 + j
-                rows = pl.ds(lax.rem(h, per_slab) * group, group)
-                if splits == 1:
-                    plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[it.q_start, h])
-                else:
-                    plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, it.q_start, h])
-                    plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[split, it.q_start, h])
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, it.q_start, h])
+                plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[split, it.q_start, h])
             plgpu.wait_smem_to_gmem(0)
 
 
@@ -695,25 +660,20 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
 
     if config.transposed and block_q == 1:  # every item one token (decode buckets)
         qs, per_slab = _transposed_q(q, num_kv_heads, kv_cache.dtype)
-        heads = config.kv_heads_per_program
-        if per_slab % heads:
-            raise ValueError(f"ragged_paged_attention: `config` {config} asks for {heads} kv heads per program, "
-                             f"which must divide the {per_slab} kv head(s) whose query heads share a slab of Q "
-                             f"(GQA group {group})")
-        out_type, scratch = _transposed_scratch(qs, qg, kv_cache.dtype, splits, block_kv, stages, page_size, heads)
+        out_type, scratch = _transposed_scratch(qs, qg, kv_cache.dtype, splits, block_kv, stages, page_size)
         res = plgpu.kernel(
-            functools.partial(_kernel_t, splits=splits, group=group, per_slab=per_slab, heads=heads, **static_t),
-            out_type=out_type, scratch_types=scratch, grid=(num_items, num_kv_heads // heads, splits),
+            functools.partial(_kernel_t, splits=splits, group=group, per_slab=per_slab, **static_t),
+            out_type=out_type, scratch_types=scratch, grid=(num_items, num_kv_heads, splits),
             grid_names=("item", "head", "split"), compiler_params=params,
         )(meta, qs, kv_cache)
     elif config.transposed:  # prompt blocks, then the decode tokens' items transposed, in one launch
         qs, per_slab = _transposed_q(q, num_kv_heads, kv_cache.dtype)
-        _, scratch_t = _transposed_scratch(qs, qg, kv_cache.dtype, 1, block_kv, stages, page_size, 1)
+        _, scratch_t = _transposed_scratch(qs, qg, kv_cache.dtype, 1, block_kv, stages, page_size)
         out_type, scratch_1 = _block_scratch(qg, kv_cache.dtype, 1, block_q, block_kv, stages, page_size)
         res = plgpu.kernel(
             functools.partial(_kernel_mixed, num_long=num_long, scratch_1=scratch_1, scratch_t=scratch_t,
                               kw_1=dict(splits=1, **static), kw_t=dict(splits=1, group=group, per_slab=per_slab,
-                                                                       heads=1, **static_t)),
+                                                                       **static_t)),
             out_type=out_type, grid=(num_items, num_kv_heads, 1), grid_names=("item", "head", "split"),
             compiler_params=params,
         )(meta, qg, qs, kv_cache)
@@ -801,22 +761,21 @@ def _transposed_q(q, num_kv_heads, kv_dtype):
     return jnp.pad(q, ((0, 0), (0, 0), (0, cols - group), (0, 0))), 1
 
 
-def _transposed_scratch(qs, qg, kv_dtype, splits, block_kv, stages, page_size, heads):
-    """Output types and shared memory of `_kernel_t` computing `heads` kv heads per program: Q and P^T
-    tiled (wgmma operands), the result untiled (copied out by rows), V converted to the matmul's dtype
-    when the cache is 8-bit."""
+def _transposed_scratch(qs, qg, kv_dtype, splits, block_kv, stages, page_size):
+    """Output types and shared memory of `_kernel_t`: Q and P^T tiled (wgmma operands), the result
+    untiled (copied out by rows), V converted to the matmul's dtype when the cache is 8-bit."""
     cols, head_dim = qs.shape[-2:]
     mm_dtype = qs.dtype
     if mm_dtype == kv_dtype:
-        slots = [_tiled((stages * heads, block_kv, head_dim), kv_dtype)] * 2  # K, V: [stage * heads + head]
+        slots = [_tiled((stages, block_kv, head_dim), kv_dtype)] * 2  # K, V
     else:  # 8-bit K and V of a stage, or its V converted for the wgmma (K goes to registers)
-        slots = [plgpu.RefUnion(_tiled((stages * heads, 2, block_kv, head_dim), kv_dtype),
-                                _tiled((stages * heads, block_kv, head_dim), mm_dtype))]
+        slots = [plgpu.RefUnion(_tiled((stages, 2, block_kv, head_dim), kv_dtype),
+                                _tiled((stages, block_kv, head_dim), mm_dtype))]
     scratch = [_tiled((cols, head_dim), mm_dtype), *slots, _tiled((cols, block_kv), mm_dtype)]
     if splits == 1:
         scratch += [plgpu.SMEM((cols, head_dim), qg.dtype)]
     else:
         scratch += [plgpu.SMEM((cols, head_dim), jnp.float32), plgpu.SMEM((cols,), jnp.float32)]
     scratch += [plgpu.Barrier(num_arrivals=1),
-                plgpu.Barrier(num_arrivals=2 * heads * (block_kv // page_size), num_barriers=stages)]
+                plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages)]
     return _out_type(qg, splits), scratch
