@@ -79,8 +79,9 @@ class MosaicConfig:
     # Diagnostics: a directory where each call writes an in-kernel trace (Mosaic GPU's on-device
     # profiler: cycle stamps per warpgroup, kept in shared memory) of the transposed kernel's named
     # regions (prologue, per key block wait / convert / qk / max / exp / p_store / pv / refill,
-    # epilogue). The stamps add work at every region's edges, so time the kernel without them;
-    # `benchmarks/kernels.py --region-profile` reads the traces.
+    # epilogue). The stamps add work at every region's edges: a profiled launch ran at least 1.3-1.5x
+    # longer (H200, RESULTS.md session 19), so read the regions as shares of a slowed chain and time
+    # the kernel without them; `benchmarks/kernels.py --region-profile` reads the traces.
     profile_dir: str | None = None
 
     def __post_init__(self):
