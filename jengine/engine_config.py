@@ -28,9 +28,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     # Tokens per KV page. On an H200, 64-token pages made the attention kernels 5-11% faster (one bulk copy
     # per page) and the 8B throughput run 0.7-4.5% faster, but on some machines the batch-64 latency run
-    # slower (5.74 against 5.39 ms per step): XLA re-recorded the step's CUDA graphs for 4.0 instead of 1.1
-    # ms of host time per step, as their temporaries moved between steps (session 18's machine showed no
-    # slowdown; the cause is open). So the default stays vLLM's 16 (RESULTS.md, sessions 15-16 and 18).
+    # slower (5.74 against 5.39 ms per step; session 19: 6.87 against 5.43, and the throughput run 3.7%
+    # slower): XLA re-recorded the step's CUDA graphs for 4.0 instead of 1.1 ms of host time per step, as
+    # their temporaries moved between steps (session 18's machine showed no slowdown; the cause is open).
+    # So the default stays vLLM's 16 (RESULTS.md, sessions 15-16 and 18-19).
     # Prefix caching shares whole pages: smaller pages share shorter prefixes.
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
