@@ -22,7 +22,7 @@ import time
 
 import jax
 import numpy as np
-from common import H200_COPY_BW, non_negative_int, positive_int, streamed_weight_bytes, write_json
+from common import H200_COPY_BW, non_negative_int, positive_float, positive_int, streamed_weight_bytes, write_json
 
 from jengine.buckets import seq_bucket
 from jengine.engine import LLMEngine
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sequence", type=int, nargs=2, default=None, metavar=("FIRST", "COUNT"),
                         help="also list COUNT kernels of the traced run in time order from kernel FIRST "
                              "(one layer's chain: which fusions sit between the GEMMs, with gaps)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size, choices=PAGE_SIZES,
                         help="tokens per KV page (default: the engine's)")

@@ -187,6 +187,18 @@ def test_profile_step_builds_its_engine_and_runs_steps(block_size, tmp_path):
         assert json.load(f)["results"][0]["step_ms"] > 0
 
 
+@pytest.mark.parametrize("flag,value", [("--gpu-memory-utilization", "0"), ("--block-size", "12"),
+                                        ("--steps", "0"), ("--sequence", "-1 2")])
+def test_profile_step_refuses_bad_flags_as_usage_errors(flag, value, capsys):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import profile_step
+
+    with pytest.raises(SystemExit) as exit_info:
+        profile_step.main([flag, *value.split()])
+    assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+
+
 def test_profile_summary_separates_step_boundary_gaps_from_kernel_spacing():
     if BENCH not in sys.path:
         sys.path.insert(0, BENCH)
