@@ -12,7 +12,7 @@ import time
 
 import jax
 import numpy as np
-from common import non_negative_int, positive_int
+from common import non_negative_int, positive_float, positive_int
 
 from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--launch-variants", action="store_true",
                         help="also time back-to-back launches of parts of the step program")
     parser.add_argument("--num-tokens", type=positive_int, default=64, help="token bucket T the steps are padded to")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9)
     parser.add_argument("--ablate", choices=("none", "attention", "write_kv", "both"), default="none",
                         help="replace the attention op and/or the K/V write by no-ops, to price them")
     args = parser.parse_args()
