@@ -8,8 +8,9 @@ shared history cost nothing to re-run, so the engine needs no beam-specific sche
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jengine.sampling_params import MAX_LOGPROBS, SamplingParams, _is_int, _is_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,12 +22,16 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self):
-        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
             raise ValueError(f"beam_width must be an int in [1, {MAX_LOGPROBS // 2}], got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not _is_number(self.temperature) or not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
 
 @dataclasses.dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 # Below this temperature a request is greedy (argmax), as in vLLM (`_SAMPLING_EPS`).
@@ -40,6 +41,21 @@ def _is_int(x: Any) -> bool:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _plain(x: Any) -> Any:
+    """A numpy scalar (a notebook's `np.float32(0.7)`, `np.int64(5)`, `np.True_`) as the Python value it
+    holds, so that the checks below and everything downstream see plain ints, floats and bools; other
+    values unchanged."""
+    if type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0:
+        return x.item()
+    return x
+
+
+_NUMERIC_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+                   "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                "detokenize")
 
 
 @dataclasses.dataclass
@@ -85,13 +101,15 @@ class SamplingParams:
     # ------------------------------------------------------------------ validation
 
     def _normalize(self) -> None:
+        for name in (*_NUMERIC_FIELDS, *_BOOL_FIELDS):
+            setattr(self, name, _plain(getattr(self, name)))
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self.stop_token_ids = [] if self.stop_token_ids is None else [_plain(t) for t in self.stop_token_ids]
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is None:
@@ -103,7 +121,8 @@ class SamplingParams:
                     tok = int(k)  # JSON object keys arrive as strings
                 except (TypeError, ValueError):
                     raise ValueError(f"logit_bias keys must be token ids (ints), got {k!r}") from None
-                if not _is_number(v):
+                v = _plain(v)
+                if not _is_number(v) or math.isnan(v):  # NaN would compare past the clamp as +100
                     raise ValueError(f"logit_bias[{tok}] must be a number, got {v!r}")
                 bias[tok] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
             self.logit_bias = bias
@@ -152,6 +171,9 @@ class SamplingParams:
         for tok in self.logit_bias:
             if tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             kinds = ", ".join(k.name for k in RequestOutputKind)
             raise ValueError(f"output_kind must be a RequestOutputKind ({kinds}), got {self.output_kind!r}")

@@ -41,6 +41,12 @@ def test_defaults_follow_vllm():
         (dict(stop_token_ids=[-1]), "stop_token_ids must be ints >= 0, got -1"),
         (dict(logit_bias={"x": 1.0}), "logit_bias keys must be token ids"),
         (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias may have at most 300 entries, got 301"),
+        (dict(logit_bias={5: float("nan")}), r"logit_bias\[5\] must be a number, got nan"),
+        (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"),
+        (dict(skip_special_tokens=None), "skip_special_tokens must be True or False, got None"),
+        (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be True or False, got 1"),
+        (dict(detokenize="yes"), "detokenize must be True or False"),
+        (dict(spaces_between_special_tokens=0), "spaces_between_special_tokens must be True or False"),
     ],
 )
 def test_bad_values_raise_naming_field_and_range(kwargs, message):
@@ -52,6 +58,20 @@ def test_normalisation():
     p = P(stop="###", top_k=-1, logit_bias={"7": 250, 3: -1000.0}, max_tokens=None, min_tokens=100)
     assert p.stop == ["###"] and p.top_k == 0 and p.max_tokens is None
     assert p.logit_bias == {7: 100.0, 3: -100.0}  # keys as ints, values clamped like vLLM
+
+
+def test_numpy_scalars_are_taken_as_the_python_values_they_hold():
+    np = pytest.importorskip("numpy")
+    p = P(temperature=np.float32(0.5), top_k=np.int64(5), max_tokens=np.int32(7), seed=np.uint64(3),
+          ignore_eos=np.True_, stop_token_ids=np.array([4, 9]), logit_bias={np.int64(2): np.float32(1.5)})
+    assert (p.temperature, p.top_k, p.max_tokens, p.seed, p.ignore_eos) == (0.5, 5, 7, 3, True)
+    assert type(p.temperature) is float and type(p.top_k) is int and type(p.ignore_eos) is bool
+    assert p.stop_token_ids == [4, 9] and all(type(t) is int for t in p.stop_token_ids)
+    assert p.logit_bias == {2: 1.5}
+    with pytest.raises(ValueError, match="max_tokens must be None or an int >= 1, got 0"):
+        P(max_tokens=np.int64(0))
+    with pytest.raises(ValueError, match="top_k must be"):
+        P(top_k=np.float64(2.5))
 
 
 def test_greedy_switches_filters_off():
@@ -77,3 +97,20 @@ def test_host_side_modules_do_not_import_jax():
     code = "import sys, jengine.sampling_params, jengine.detokenizer; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(beam_width=True), "beam_width must be an int"),
+    (dict(beam_width=11), r"beam_width must be an int in \[1, 10\]"),
+    (dict(max_tokens=2.0), "max_tokens must be an int >= 1"),
+    (dict(ignore_eos="no"), "ignore_eos must be True or False"),
+    (dict(temperature="0"), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(length_penalty=float("nan")), "length_penalty must be a finite number"),
+    (dict(length_penalty="1"), "length_penalty must be a finite number"),
+])
+def test_beam_search_params_name_the_bad_field(kwargs, message):
+    from jengine.beam_search import BeamSearchParams
+
+    with pytest.raises(ValueError, match=message):
+        BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **kwargs})
