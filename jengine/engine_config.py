@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jengine.buckets import default_seq_buckets, default_token_buckets
 from jengine.config import ModelConfig, normalize_dtype
+from jengine.sampling_params import plain_scalar
 
 PREEMPTION_MODES = ("recompute", "swap")
 # vLLM's names: "auto" keeps the model's dtype; "fp8" is e4m3 (8-bit K/V, saturated, no scale)
@@ -48,6 +50,13 @@ class EngineConfig:
     data_parallel_size: int = 1  # independent engine replicas, each on its own tensor_parallel_size devices
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):  # numpy scalars as the Python values they hold
+            object.__setattr__(self, field.name, plain_scalar(getattr(self, field.name)))
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a preset name or a checkpoint directory, got {self.model!r}")
+
         def positive_int(name, value, allow_none=True):
             if value is None and allow_none:
                 return
@@ -71,7 +80,7 @@ class EngineConfig:
             raise ValueError(f"compilation_cache_dir must be a path or None, got {self.compilation_cache_dir!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.swap_space < 0:
+        if not self.swap_space >= 0:  # NaN too
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
@@ -80,14 +89,20 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if not isinstance(self.seed, int):
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype not in (None, "auto"):
             object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         for name in ("token_buckets", "seq_buckets"):
             value = getattr(self, name)
             if value is not None:
-                if not value or any(not isinstance(v, int) or v <= 0 for v in value):
+                if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                    raise ValueError(f"{name} must be a non-empty list of positive integers, got {value!r}")
+                value = [plain_scalar(v) for v in value]
+                if not value or any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in value):
                     raise ValueError(f"{name} must be a non-empty list of positive integers, got {value!r}")
                 object.__setattr__(self, name, tuple(sorted(set(value))))
 

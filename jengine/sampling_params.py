@@ -43,7 +43,7 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _plain(x: Any) -> Any:
+def plain_scalar(x: Any) -> Any:
     """A numpy scalar (a notebook's `np.float32(0.7)`, `np.int64(5)`, `np.True_`) as the Python value it
     holds, so that the checks below and everything downstream see plain ints, floats and bools; other
     values unchanged."""
@@ -102,14 +102,14 @@ class SamplingParams:
 
     def _normalize(self) -> None:
         for name in (*_NUMERIC_FIELDS, *_BOOL_FIELDS):
-            setattr(self, name, _plain(getattr(self, name)))
+            setattr(self, name, plain_scalar(getattr(self, name)))
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else [_plain(t) for t in self.stop_token_ids]
+        self.stop_token_ids = [] if self.stop_token_ids is None else [plain_scalar(t) for t in self.stop_token_ids]
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is None:
@@ -121,7 +121,7 @@ class SamplingParams:
                     tok = int(k)  # JSON object keys arrive as strings
                 except (TypeError, ValueError):
                     raise ValueError(f"logit_bias keys must be token ids (ints), got {k!r}") from None
-                v = _plain(v)
+                v = plain_scalar(v)
                 if not _is_number(v) or math.isnan(v):  # NaN would compare past the clamp as +100
                     raise ValueError(f"logit_bias[{tok}] must be a number, got {v!r}")
                 bias[tok] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
