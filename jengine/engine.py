@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import gc
 import logging
+import numbers
 import os
 import time
 
@@ -165,10 +166,11 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [int(t) for t in prompt]
-            if any(isinstance(t, bool) or not 0 <= t < self.model_config.vocab_size for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
-            return None, ids
+            vocab = self.model_config.vocab_size
+            if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
+                   for t in prompt):  # no floats (1.5 would pass int()), bools or nested lists
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            return None, [int(t) for t in prompt]
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -13,6 +14,14 @@ from jengine.engine_config import EngineConfig
 from jengine.outputs import RequestOutput
 from jengine.presets import DEFAULT_MODEL
 from jengine.sampling_params import RequestOutputKind, SamplingParams
+
+
+def _is_token_ids(prompts) -> bool:
+    """Whether `prompts` is one prompt of token ids (a list, tuple or 1-D array of integers) rather than
+    a list of prompts."""
+    if getattr(prompts, "ndim", None) == 1:
+        return True
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], numbers.Integral)
 
 
 class LLM:
@@ -43,10 +52,13 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list (text, token-id lists, or prompt dicts); outputs in input order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]
-        prompts = list(prompts)
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise ValueError("prompts must be a prompt (text, token ids or a prompt dict) or a list of them, got "
+                             f"{type(prompts).__name__}") from None
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")

@@ -239,6 +239,28 @@ def test_engine_arguments_of_the_wrong_type_are_named(llm):
     _assert_no_leak(llm)
 
 
+@pytest.mark.parametrize(("prompts", "message"), [
+    (None, "prompts must be a prompt .* got NoneType"),
+    (5, "prompts must be a prompt .* got int"),
+    ([[1.5, 2]], "prompt token ids must be integers"),  # int() would have made it 1
+    ([[True, 2]], "prompt token ids must be integers"),
+    ([[[1, 2]]], "prompt token ids must be integers"),
+])
+def test_malformed_prompts_are_value_errors(llm, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, GREEDY16, use_tqdm=False)
+    _assert_no_leak(llm)
+
+
+def test_numpy_token_ids_are_one_prompt(llm):
+    expected = _greedy_tokens(llm, [HF_CASES[0][0]])[0]
+    ids = HF_CASES[0][0]
+    for prompt in (np.asarray(ids), [np.int64(t) for t in ids]):
+        out = llm.generate(prompt, GREEDY16, use_tqdm=False)
+        assert len(out) == 1 and out[0].outputs[0].token_ids == expected
+    _assert_no_leak(llm)
+
+
 def test_start_up_freezes_the_heap_so_full_collections_do_not_stall_steps():
     gc.unfreeze()
     llm = _make_llm()
