@@ -153,6 +153,13 @@ ERROR_CASES = [  # (name, route, body, status, the error body's param)
     ("lone surrogate in chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
      400, None),
     ("lone surrogate to tokenize", "/tokenize", b'{"prompt": "\\ud800"}', 400, None),
+    ("json mode", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                            "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("tools without a parser", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
+    ("required tool choice", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                      "tool_choice": "required"}, 400, "tool_choice"),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, None),
     ("unknown route", "/v1/nothing", {}, 404, None),
 ]
@@ -168,6 +175,14 @@ def test_bad_requests_get_openai_error_bodies(server, name, path, body, status, 
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_plain_text_format_and_tool_choice_none_are_served(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    assert client.chat.completions.create(response_format={"type": "text"}, **kw).choices[0].message.content == plain
+    assert client.chat.completions.create(tools=tools, tool_choice="none", **kw).choices[0].message.content == plain
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])

@@ -52,6 +52,10 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class ResponseFormat(_Body):
+    type: str
+
+
 class _Sampling(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -77,8 +81,14 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens spelled "token_id:N"
+    # Structured output needs guided decoding, which jengine does not have: only plain text is accepted,
+    # so that a client asking for JSON gets an error instead of unconstrained text.
+    response_format: ResponseFormat | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported (no guided "
+                             "decoding); only 'text'")
         kw = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -145,11 +155,19 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Tool calling needs a tool-call parser, which jengine does not have. As vLLM does without one, tools
+    # are refused unless tool_choice is "none" (then they are ignored).
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
 
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tools are not supported (no tool-call parser); send tool_choice 'none' or no tools")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError(f"tool_choice {self.tool_choice!r} is not supported (no tool-call parser); only 'none'")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs=true")
