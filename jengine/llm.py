@@ -89,11 +89,22 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
+        if not isinstance(add_generation_prompt, bool):
+            raise ValueError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError("chat_template must be a Jinja template string or None, got "
+                             f"{type(chat_template).__name__}")
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
+                             f"list of conversations, got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
-            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-                raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+            if not isinstance(conv, (list, tuple)) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), (str, list)) for m in conv):
+                raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts (role a string, "
+                                 "content a string or a list of parts)")
             text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                  chat_template=chat_template)
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
