@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jengine.sampling_params import MAX_LOGPROBS, SamplingParams, _is_int, _is_number
+from jengine.sampling_params import MAX_LOGPROBS, SamplingParams, _is_int, _is_number, check_bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +26,7 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an int in [1, {MAX_LOGPROBS // 2}], got {self.beam_width!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        check_bool("ignore_eos", self.ignore_eos)
         if not _is_number(self.temperature) or not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):

@@ -7,7 +7,7 @@ import os
 
 from jengine.buckets import default_seq_buckets, default_token_buckets
 from jengine.config import ModelConfig, normalize_dtype
-from jengine.sampling_params import plain_scalar
+from jengine.sampling_params import check_bool, plain_scalar
 
 PREEMPTION_MODES = ("recompute", "swap")
 # vLLM's names: "auto" keeps the model's dtype; "fp8" is e4m3 (8-bit K/V, saturated, no scale)
@@ -91,9 +91,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if self.dtype not in (None, "auto"):
             object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         for name in ("token_buckets", "seq_buckets"):

@@ -13,7 +13,7 @@ from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
 from jengine.outputs import RequestOutput
 from jengine.presets import DEFAULT_MODEL
-from jengine.sampling_params import RequestOutputKind, SamplingParams
+from jengine.sampling_params import RequestOutputKind, SamplingParams, check_bool
 
 
 def _is_token_ids(prompts) -> bool:
@@ -59,7 +59,7 @@ class LLM:
         except TypeError:
             raise ValueError("prompts must be a prompt (text, token ids or a prompt dict) or a list of them, got "
                              f"{type(prompts).__name__}") from None
-        if isinstance(sampling_params, Sequence):
+        if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
             params = list(sampling_params)
@@ -89,8 +89,7 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
-        if not isinstance(add_generation_prompt, bool):
-            raise ValueError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
+        check_bool("add_generation_prompt", add_generation_prompt)
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError("chat_template must be a Jinja template string or None, got "
                              f"{type(chat_template).__name__}")

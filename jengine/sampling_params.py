@@ -52,10 +52,10 @@ def plain_scalar(x: Any) -> Any:
     return x
 
 
-_NUMERIC_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
-                   "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-                "detokenize")
+def check_bool(name: str, value: Any) -> None:
+    """An on/off option must be a bool: a truthy string such as "no" would otherwise switch it on."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -101,8 +101,8 @@ class SamplingParams:
     # ------------------------------------------------------------------ validation
 
     def _normalize(self) -> None:
-        for name in (*_NUMERIC_FIELDS, *_BOOL_FIELDS):
-            setattr(self, name, plain_scalar(getattr(self, name)))
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, plain_scalar(getattr(self, field.name)))
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -171,9 +171,9 @@ class SamplingParams:
         for tok in self.logit_bias:
             if tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
-        for name in _BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for field in dataclasses.fields(self):
+            if field.type == "bool":  # the annotation's text (postponed annotations)
+                check_bool(field.name, getattr(self, field.name))
         if not isinstance(self.output_kind, RequestOutputKind):
             kinds = ", ".join(k.name for k in RequestOutputKind)
             raise ValueError(f"output_kind must be a RequestOutputKind ({kinds}), got {self.output_kind!r}")

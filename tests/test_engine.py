@@ -232,6 +232,8 @@ def test_beam_search_with_width_one_is_greedy_and_wider_beams_score_no_worse(llm
 def test_engine_arguments_of_the_wrong_type_are_named(llm):
     with pytest.raises(ValueError, match="priority"):
         llm.generate([[1, 2]], GREEDY16, priority=["high"], use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams, got str"):
+        llm.generate([[1, 2]], "greedy", use_tqdm=False)  # a string is not a list of params
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(FIXTURE, gpu_memory_utilization="most")
     with pytest.raises(ValueError, match="swap_space"):
