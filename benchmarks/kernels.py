@@ -33,14 +33,15 @@ from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic, ragged_pag
 HQ, HKV, D = 32, 8, 128
 
 
-def make_batch(key, q_lens, kv_lens, *, page_size, dtype, hq=HQ, hkv=HKV, d=D, kv_dtype=None):
-    """Random q, a cache holding exactly the sequences' pages (randomly permuted, in `kv_dtype`, default
-    q's), and the metadata."""
+def make_batch(key, q_lens, kv_lens, *, page_size, dtype, hq=HQ, hkv=HKV, d=D, kv_dtype=None, page_order="random"):
+    """Random q, a cache holding exactly the sequences' pages (in `kv_dtype`, default q's), and the
+    metadata. `page_order`: "random" permutes the pages; "runs" gives each sequence consecutive pages
+    (as prompts written from a fresh free list), sequences in order."""
     s = len(q_lens)
     need = [-(-k // page_size) for k in kv_lens]
     pages_per_seq = max(need)
     num_pages = sum(need) + 1
-    perm = np.random.default_rng(0).permutation(num_pages)
+    perm = np.random.default_rng(0).permutation(num_pages) if page_order == "random" else np.arange(num_pages)
     table = np.zeros((s, pages_per_seq), np.int32)
     start = 0
     for i, n in enumerate(need):
@@ -293,6 +294,8 @@ def main(argv=None):
     p.add_argument("--batch", default="1,8,64,256")
     p.add_argument("--ctx", default="128,2048,8192,32768")
     p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--page-order", default="random", choices=("random", "runs"),
+                   help="random: the cache's pages permuted; runs: each sequence's pages consecutive")
     p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                    help="the cache's dtype (auto: bf16 like q); the bundled kernel runs with bf16 only")
     p.add_argument("--impl", default=None, help="gpu / tpu / reference (default: by backend)")
@@ -343,7 +346,7 @@ def main(argv=None):
                 if sum(q_lens) > a.max_tokens or kv_bytes / 1e9 > a.max_kv_gb:
                     continue
                 args = make_batch(jax.random.key(b * 7 + ctx), q_lens, kv_lens, page_size=a.page_size,
-                                  dtype=jnp.bfloat16, kv_dtype=kv_dtype)
+                                  dtype=jnp.bfloat16, kv_dtype=kv_dtype, page_order=a.page_order)
                 rests = rotated(args, kv_bytes)
                 bundled_us = None
                 # the bundled kernel on the same rotated caches, K/V split per copy (bf16 only)

@@ -392,3 +392,22 @@ def test_compile_probe_times_the_warmups_compiles_per_program_kind(tmp_path):
     assert 0 < data["lowering_s"] <= data["warmup_s"]
     data = _run("compile_probe", [*args, "--token-buckets", "16", "32", "--seq-buckets", "8"], tmp_path)
     assert data["one"]["bucket"] == [16, 8] and data["rest"]["buckets"] == 1
+
+
+
+def test_kernels_make_batch_page_orders():
+    """`--page-order runs` gives each sequence consecutive cache pages; "random" permutes them; either
+    way every sequence has pages of its own."""
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import kernels
+    import numpy as np
+
+    for order in ("random", "runs"):
+        args = kernels.make_batch(kernels.jax.random.key(0), [1] * 3, [40, 64, 17], page_size=16,
+                                  dtype=kernels.jnp.bfloat16, page_order=order)
+        table = np.asarray(args[3])
+        pages = [table[0, :3], table[1, :4], table[2, :2]]
+        assert len(set(np.concatenate(pages))) == 9
+        if order == "runs":
+            assert list(np.concatenate(pages)) == list(range(9))
