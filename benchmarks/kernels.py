@@ -37,6 +37,8 @@ def make_batch(key, q_lens, kv_lens, *, page_size, dtype, hq=HQ, hkv=HKV, d=D, k
     """Random q, a cache holding exactly the sequences' pages (in `kv_dtype`, default q's), and the
     metadata. `page_order`: "random" permutes the pages; "runs" gives each sequence consecutive pages
     (as prompts written from a fresh free list), sequences in order."""
+    if page_order not in ("random", "runs"):
+        raise ValueError(f"make_batch: `page_order` must be 'random' or 'runs', got {page_order!r}")
     s = len(q_lens)
     need = [-(-k // page_size) for k in kv_lens]
     pages_per_seq = max(need)

@@ -394,7 +394,6 @@ def test_compile_probe_times_the_warmups_compiles_per_program_kind(tmp_path):
     assert data["one"]["bucket"] == [16, 8] and data["rest"]["buckets"] == 1
 
 
-
 def test_kernels_make_batch_page_orders():
     """`--page-order runs` gives each sequence consecutive cache pages; "random" permutes them; either
     way every sequence has pages of its own."""
@@ -411,3 +410,6 @@ def test_kernels_make_batch_page_orders():
         assert len(set(np.concatenate(pages))) == 9
         if order == "runs":
             assert list(np.concatenate(pages)) == list(range(9))
+    with pytest.raises(ValueError, match="page_order"):
+        kernels.make_batch(kernels.jax.random.key(0), [1], [40], page_size=16, dtype=kernels.jnp.bfloat16,
+                           page_order="sorted")
