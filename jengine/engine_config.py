@@ -32,8 +32,10 @@ class EngineConfig:
     # per page) and the 8B throughput run 0.7-4.5% faster, but on some machines the batch-64 latency run
     # slower (5.74 against 5.39 ms per step; session 19: 6.87 against 5.43, and the throughput run 3.7%
     # slower): XLA re-recorded the step's CUDA graphs for 4.0 instead of 1.1 ms of host time per step, as
-    # their temporaries moved between steps (session 18's machine showed no slowdown; the cause is open).
-    # So the default stays vLLM's 16 (RESULTS.md, sessions 15-16 and 18-19).
+    # their temporaries moved between steps (session 18's machine showed no slowdown). XLA rebuilds the
+    # whole forward graph after every step with either page size (3-5 of its buffers move); with 64-token
+    # pages one more moves in half the steps and each rebuild takes 2.10 instead of 1.44 ms (session 21:
+    # B=64 5.89 against 5.19 ms). So the default stays vLLM's 16 (RESULTS.md, sessions 15-16, 18-19, 21).
     # Prefix caching shares whole pages: smaller pages share shorter prefixes.
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
