@@ -79,11 +79,15 @@ def child(args) -> None:
     compile_s = time.perf_counter() - t0
 
     runner.allocate_kv_cache()
-    ints, floats, _ = pack(dataclasses.replace(runner.dummy_input(*target), sampling=None))
+    ints, floats, layout = pack(dataclasses.replace(runner.dummy_input(*target), sampling=None))
     kv = runner.kv_caches
+    # The buffers each call writes its staged inputs, logits and hidden states over (donated).
+    staged, outputs = runner._staged_inputs(layout, ints, floats), runner._output_buffers(target)
 
     def call(kv):
-        kv, logits, _ = compiled(runner.params, kv, ints, floats, runner.no_prev_ids)
+        nonlocal staged, outputs
+        kv, logits, hidden, *staged = compiled(runner.params, kv, *staged, ints, floats, runner.prev_ids, *outputs)
+        outputs = (logits, hidden)
         return kv, logits
 
     serial, pipelined = [], []

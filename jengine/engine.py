@@ -140,7 +140,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._children: dict[str, _Child] = {}  # by the child's (scheduler) request id
         self._rng_counter = 0
-        self._inflight = None  # (SchedulerOutput, SamplerOutput, next ids) of the step running on the device
+        self._inflight = None  # (SchedulerOutput, (SamplerOutput, prompt logprobs)) of the step on the device
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of step()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_prompt_tokens": 0, "steps": 0,
                       "preemptions": 0}
@@ -258,7 +258,7 @@ class LLMEngine:
             t1 = clock()
             inp, prompt_tokens = self._step_input(sched, inflight[0] if inflight else None)
             t2 = clock()
-            launched = (sched, *self.runner.execute(inp, inflight[2] if inflight else None))
+            launched = (sched, self.runner.execute(inp))
             self.timings["prepare"] += t2 - t1
             self.timings["launch"] += clock() - t2
             self.stats["steps"] += 1
@@ -282,7 +282,7 @@ class LLMEngine:
         return any(e.request.sampling_params.uses_penalties and PLACEHOLDER in e.request.output_token_ids[-1:]
                    for e in sched.scheduled)
 
-    def _resolve(self, sched: SchedulerOutput, pending, _next_ids) -> list[RequestOutput]:
+    def _resolve(self, sched: SchedulerOutput, pending) -> list[RequestOutput]:
         """Read a launched step's results, apply them to the requests, and build their outputs."""
         t0 = time.perf_counter()
         result = to_host(pending[0])

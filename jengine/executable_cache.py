@@ -120,6 +120,16 @@ def _platform() -> list:
             jax.process_count(), jax.process_index(), topology]
 
 
+def reload(compiled: jax.stages.Compiled) -> jax.stages.Compiled:
+    """A second loaded copy of `compiled` (serialized and loaded again onto the same devices): the same
+    program, with runtime state of its own (on GPUs its own CUDA graphs). Only for executables that
+    serialize whole (`stores_loaded_executables`)."""
+    executable, in_tree, out_tree = serialize_executable.serialize(compiled)
+    devices = list(compiled._executable._unloaded_executable.device_list)
+    return serialize_executable.deserialize_and_load(executable, in_tree, out_tree, backend=devices[0].client,
+                                                     execution_devices=devices)
+
+
 class ExecutableCache:
     """One file per compiled program under `directory`, named by `key(traced, compiler_options)`."""
 

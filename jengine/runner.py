@@ -7,6 +7,7 @@ donated, so XLA updates it in place. Every (tokens, sequences) bucket is compile
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -25,7 +26,7 @@ from jengine import kv_cache, sharding
 from jengine.buckets import shape_pairs
 from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
-from jengine.executable_cache import ExecutableCache
+from jengine.executable_cache import ExecutableCache, reload, stores_loaded_executables
 from jengine.models import ModelInput, get_model_family
 from jengine.request import PLACEHOLDER
 from jengine.sampler import (
@@ -133,20 +134,34 @@ def unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> StepInput:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _forward(params, kv_caches, ints, floats, prev_ids, *, layout, cfg: ModelConfig, mesh=None):
+def _stage(buffer: jax.Array, x: jax.Array) -> jax.Array:
+    """`x` written over the start of the donated `buffer`, one element longer so that XLA cannot replace
+    the write by `x` itself, behind a barrier so that it cannot read `x` in the copy's place: the
+    program's readers read `buffer`, which stays at one address, not the step's fresh input."""
+    return jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(buffer, x, (0,)))
+
+
+def _forward(params, kv_caches, staged_ints, staged_floats, ints, floats, prev_ids, logits_buffer, hidden_buffer, *,
+             layout, cfg: ModelConfig, mesh=None):
     """The model over one ragged batch: new K/V into the pages, logits of each sequence's last token.
 
     Tokens the host did not know yet (sampled by the step still running when this one was prepared)
     are taken from that step's output `prev_ids [max_seqs]` on the device. Returns the cache, the
-    logits `[S, V]` f32 and the final hidden states `[T, H]` (read only for prompt logprobs).
+    logits `[S, V]` f32 and the final hidden states `[T, H]` (read only for prompt logprobs), and the
+    packed inputs copied into `staged_ints` / `staged_floats` (see `_stage`). Outputs are written over
+    the donated buffers of their shapes, so that every buffer the program's kernels touch but its
+    temporaries keeps its address from step to step (see `ModelRunner`).
     """
-    inp = unpack(ints, floats, layout)
+    del logits_buffer, hidden_buffer  # donated: XLA writes the outputs of their shapes into them
+    staged_ints, staged_floats = _stage(staged_ints, ints), _stage(staged_floats, floats)
+    inp = unpack(staged_ints[: ints.shape[0]], staged_floats[: floats.shape[0]], layout)
     known = inp.prev_token_index < 0
     token_ids = jnp.where(known, inp.model.token_ids, prev_ids[jnp.maximum(inp.prev_token_index, 0)])
     model_input = dataclasses.replace(inp.model, token_ids=token_ids)
     family = get_model_family(cfg.architecture)
     kv_caches, hidden = family.forward(params, cfg, model_input, kv_caches, mesh=mesh)  # hidden [T, H]
-    return kv_caches, family.compute_logits(params, cfg, hidden[inp.logits_indices]), hidden
+    logits = family.compute_logits(params, cfg, hidden[inp.logits_indices])
+    return kv_caches, logits, hidden, staged_ints, staged_floats
 
 
 # (filters, random, top_logprobs) a batch can need: top-k/top-p filters only come with the general
@@ -155,13 +170,15 @@ SAMPLER_VARIANTS = tuple((f, r, top) for f, r in ((False, False), (False, True),
                          for top in (False, True))
 
 
-def _sample(logits, ints, floats, *, layout, filters: bool, random: bool, top_logprobs: bool, max_seqs: int):
+def _sample(logits, ints, floats, ids_buffer, *, layout, filters: bool, random: bool, top_logprobs: bool):
     """Sampling as its own program per (S, filters, random, top_logprobs): the host knows which of
     top-k/top-p, the general program (random draws, logit_bias, penalties) and top logprobs the batch
-    needs, so no data-dependent branch is needed. Also returns the ids padded to `[max_seqs]`, which
-    the next step reads as its `prev_ids`."""
+    needs, so no data-dependent branch is needed. Also writes the ids into the first rows of the
+    donated `ids_buffer [max_seqs]`, which the next step's forward reads as its `prev_ids`."""
     out = sample(logits, unpack(ints, floats, layout), filters=filters, random=random, top_logprobs=top_logprobs)
-    return out, jnp.zeros((max_seqs,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
+    # First: jit gives a donated input to the first output of its shape, and `out.next_ids` has this
+    # one's when S is the largest bucket.
+    return jax.lax.dynamic_update_slice(ids_buffer, out.next_ids, (0,)), out
 
 
 def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_per_seq: int,
@@ -215,6 +232,15 @@ def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_p
 class ModelRunner:
     """Owns the params, the KV cache and the compiled step; executes one StepInput at a time.
 
+    XLA re-records the commands of a CUDA graph whose buffers moved since the graph's last run (on an
+    H200, ~0.8-1.9 ms of host time per 8B decode step, benchmarks/RESULTS.md, session 22). So every
+    buffer the forward's kernels use stays at one address from step to step: the packed inputs are
+    copied into persistent buffers per layout first thing (`_stage`), the logits and hidden states
+    are written over donated buffers per bucket, and the sampled ids over one donated `[max_seqs]`
+    buffer. The program's temporaries are allocated per run, and while one step runs the next one's
+    take the other of two places; so on GPUs each forward is loaded twice (`executable_cache.reload`)
+    and a bucket's steps take the two copies in turn, each with its own graph and temporaries' place.
+
     `mesh`: the tensor-parallel mesh (None: one device). `cfg` is then the model the devices hold
     (`sharding.sharded_model_config`); params arrive sharded; the cache is split by KV heads, and
     every program's output shardings are pinned so that no step sees a new input sharding (no recompiles).
@@ -235,18 +261,33 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(ecfg.cache_dtype(cfg.dtype))
         self.host_pool = kv_cache.HostPagePool(cfg, num_host_pages, ecfg.block_size, self.kv_dtype)
         self.max_seqs = max(ecfg.seq_buckets)
-        self.no_prev_ids = jnp.zeros((self.max_seqs,), jnp.int32)
         fwd, smp, plp = {}, {}, {}
         if mesh is not None:
             rep = sharding.replicated(mesh)
-            self.no_prev_ids = jax.device_put(self.no_prev_ids, rep)
             caches = [cache_sharding] * cfg.num_hidden_layers  # inputs are committed arrays or host numpy
-            fwd = dict(out_shardings=(caches, rep, rep))  # logits and hidden gathered onto every device
-            smp = plp = dict(out_shardings=rep)
-        self._replicated = rep if mesh is not None else None  # where the forwards leave logits and hidden
-        self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1,),
-                                static_argnames=("layout",), **fwd)
-        self._sample = jax.jit(functools.partial(_sample, max_seqs=self.max_seqs),
+            smp = plp = dict(out_shardings=rep)  # logits and hidden gathered onto every device
+        self._replicated = rep if mesh is not None else None  # where step inputs and outputs live
+        # The ids the last step sampled, `[max_seqs]`: the next forward reads them, the next sampling
+        # program writes its own over them (donated).
+        self.prev_ids = self._put(np.zeros(self.max_seqs, np.int32))
+        self._inputs: dict[tuple, tuple[jax.Array, jax.Array]] = {}  # layout -> its staged (ints, floats)
+        self._logits: dict[int, jax.Array] = {}  # S -> the buffer the forward writes its logits over
+        self._hidden: dict[int, jax.Array] = {}  # T -> the same for its hidden states
+        # layout -> the forward's second copy and the number of its steps so far (GPU only: elsewhere a
+        # program has no graph, and on the CPU a copy of one JAX loaded from its cache would not run).
+        self.twin_forwards = stores_loaded_executables()
+        self._twins: dict[tuple, jax.stages.Compiled] = {}
+        self._runs: collections.Counter = collections.Counter()
+        if mesh is not None:  # the staged inputs come back replicated, like logits and hidden
+            fwd = dict(out_shardings=(caches, rep, rep, rep, rep))
+        self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1, 2, 3, 7, 8),
+                                keep_unused=True, static_argnames=("layout",), **fwd)  # kept: the output buffers
+        # Each jit wraps a function object of this runner's own (a partial), so that jit's trace and
+        # lowering caches are never shared between engines of one process: a lowering shared with an
+        # earlier engine compiles to that engine's executable without a compile, which on the CPU can
+        # be one JAX loaded from its persistent cache, and ExecutableCache would store it without its
+        # kernels (see `stores_loaded_executables`).
+        self._sample = jax.jit(functools.partial(_sample), donate_argnums=(3,),
                                static_argnames=("layout", "filters", "random", "top_logprobs"), **smp)
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}  # filled by warmup(), in parallel
@@ -263,38 +304,86 @@ class ModelRunner:
         spec = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self._cache_sharding)
         return [spec] * self.cfg.num_hidden_layers
 
+    def _put(self, x):
+        """Host arrays copied onto the device (every device of the mesh, replicated). Copied, never
+        aliased: the CPU client can wrap a numpy array's memory instead, which a program that is
+        donated it cannot write over, so its output would take a new buffer."""
+        return jax.device_put(x, self._replicated, may_alias=False)
+
+    def _output_specs(self, bucket: tuple[int, int]) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """The shapes of a (T, S) bucket's logits `[S, V]` f32 and hidden states `[T, H]`."""
+        logits = jax.ShapeDtypeStruct((bucket[1], self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
+        hidden = jax.ShapeDtypeStruct((bucket[0], self.cfg.hidden_size), self.cfg.dtype, sharding=self._replicated)
+        return logits, hidden
+
+    def _spec(self, x) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated)
+
     def trace_forward(self, bucket: tuple[int, int]) -> tuple[tuple, jax.stages.Traced]:
         """The forward program of a (T, S) bucket, traced (on the cache's shapes before it is allocated):
         its key in the compiled programs, and the traced program."""
         caches = self.kv_caches if self.kv_caches is not None else self._kv_cache_specs()
         ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
-        return ("forward", layout), self._forward.trace(self.params, caches, ints, floats, self.no_prev_ids,
-                                                        layout=layout)
+        staged = [jax.ShapeDtypeStruct((x.size + 1,), x.dtype, sharding=self._replicated) for x in (ints, floats)]
+        traced = self._forward.trace(self.params, caches, *staged, ints, floats, self.prev_ids,
+                                     *self._output_specs(bucket), layout=layout)
+        _, logits, hidden, *_ = traced.out_info
+        if (logits.shape, logits.dtype, hidden.shape, hidden.dtype) != tuple(
+                x for spec in self._output_specs(bucket) for x in (spec.shape, spec.dtype)):
+            raise AssertionError(f"forward outputs {logits}, {hidden} differ from the buffers given for them")
+        return ("forward", layout), traced
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (T, S) pair a step can be padded to: S sequences need at least S tokens."""
         return shape_pairs(self.ecfg.token_buckets, self.ecfg.seq_buckets)
 
-    def execute(self, inp: StepInput, prev_ids: jax.Array | None = None, *, prompt_logprobs: bool | None = None):
-        """Launch one step (asynchronously): ((sampler output, prompt logprobs or None), ids `[max_seqs]`
-        for the next step). Results stay on the device until read. The sampling program's variant is
-        what the batch's sampling tensors need (`sampler_switches`); `prompt_logprobs` defaults to
-        whether the input asks for them."""
+    def execute(self, inp: StepInput, *, prompt_logprobs: bool | None = None):
+        """Launch one step (asynchronously): (sampler output, prompt logprobs or None). Results stay
+        on the device until read. Placeholder tokens are taken from the ids the previous `execute`
+        sampled. The sampling program's variant is what the batch's sampling tensors need
+        (`sampler_switches`); `prompt_logprobs` defaults to whether the input asks for them."""
         sampling = inp.sampling
         switches = sampler_switches(sampling, self.cfg.vocab_size)
         if prompt_logprobs is None:
             prompt_logprobs = bool(np.any(inp.prompt_targets >= 0))
-        prev = self.no_prev_ids if prev_ids is None else prev_ids
+        bucket = (inp.model.token_ids.shape[0], inp.logits_indices.shape[0])
         ints, floats, layout = pack(dataclasses.replace(inp, sampling=None))
-        self.kv_caches, logits, hidden = self._program("forward", layout)(self.params, self.kv_caches, ints,
-                                                                          floats, prev)
+        forward = self._program("forward", layout)
+        twin = self._twins.get(layout)
+        self._runs[layout] += 1
+        if twin is not None and self._runs[layout] % 2:
+            forward = twin
+        self.kv_caches, logits, hidden, *staged = forward(
+            self.params, self.kv_caches, *self._staged_inputs(layout, ints, floats), ints, floats, self.prev_ids,
+            *self._output_buffers(bucket))
+        self._inputs[layout] = tuple(staged)
+        self._logits[bucket[1]], self._hidden[bucket[0]] = logits, hidden
         s_ints, s_floats, s_layout = pack(program_inputs(sampling, switches))
-        out, next_ids = self._program("sample", s_layout, *switches)(logits, s_ints, s_floats)
+        self.prev_ids, out = self._program("sample", s_layout, *switches)(logits, s_ints, s_floats, self.prev_ids)
         plp = None
         if prompt_logprobs:
             plp = self._program("prompt_logprobs", inp.prompt_targets.shape[0])(self.params, hidden,
                                                                                 inp.prompt_targets)
-        return (out, plp), next_ids
+        return out, plp
+
+    def _staged_inputs(self, layout: tuple, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """The buffers a layout's forward copies its packed inputs into (one element longer: `_stage`),
+        made on first use (warm-up makes every bucket's) or after a failed step consumed them."""
+        staged = self._inputs.get(layout)
+        if staged is None or any(x.is_deleted() for x in staged):
+            staged = self._inputs[layout] = self._put(tuple(np.zeros(x.size + 1, x.dtype) for x in (ints, floats)))
+        return staged
+
+    def _output_buffers(self, bucket: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+        """The buffers a (T, S) bucket's forward writes its logits and hidden states over, made on first
+        use (warm-up makes every bucket's) or after a failed step consumed them."""
+        made = []
+        for store, size, spec in zip((self._logits, self._hidden), bucket[::-1], self._output_specs(bucket)):
+            buffer = store.get(size)
+            if buffer is None or buffer.is_deleted():
+                buffer = store[size] = self._put(np.zeros(spec.shape, spec.dtype))
+            made.append(buffer)
+        return tuple(made)
 
     def _program(self, kind: str, *key):
         """The executable compiled at warm-up for this program and static key, else its jit (which
@@ -354,16 +443,13 @@ class ModelRunner:
         # The forwards are traced first (cheap) for their output shapes; the sampling and prompt-logprob
         # programs, quick to lower but each several seconds of XLA compile (the sampler's [S, V] passes),
         # then go to the pool first, and compile while this thread lowers the forwards (~1.3 s each).
-        def spec(info):
-            return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=self._replicated)
-
         started = time.perf_counter()
         forwards, logits_of, hidden_of = [], {}, {}
         for bucket in buckets:
             name, traced = self.trace_forward(bucket)
-            _, logits, hidden = traced.out_info
-            logits_of.setdefault(bucket[1], spec(logits))
-            hidden_of.setdefault(bucket[0], spec(hidden))
+            _, logits, hidden, *_ = traced.out_info
+            logits_of.setdefault(bucket[1], self._spec(logits))
+            hidden_of.setdefault(bucket[0], self._spec(hidden))
             forwards.append((name, traced, forward_compiler_options(bucket[0])))
 
         def samplers():
@@ -371,8 +457,8 @@ class ModelRunner:
                 tensors = build_sampling_tensors([], s, self.cfg.vocab_size)
                 for filters, random, top in SAMPLER_VARIANTS:
                     s_ints, s_floats, s_layout = pack(program_inputs(tensors, SamplerSwitches(filters, random, top)))
-                    traced = self._sample.trace(logits, s_ints, s_floats, layout=s_layout, filters=filters,
-                                                random=random, top_logprobs=top)
+                    traced = self._sample.trace(logits, s_ints, s_floats, self.prev_ids, layout=s_layout,
+                                                filters=filters, random=random, top_logprobs=top)
                     yield ("sample", s_layout, filters, random, top), traced, None
 
         def prompt_logprobs():
@@ -384,12 +470,18 @@ class ModelRunner:
             for name, compiled in build_all(itertools.chain(samplers(), prompt_logprobs(), forwards)):
                 self._compiled[name] = compiled
                 if name[0] == "forward":
+                    if self.twin_forwards:
+                        self._twins[name[1]] = reload(compiled)
                     bar.update()
         bar.close()
         if cache is not None:
             logger.info("executable cache: %d of %d programs loaded from %s", self.executable_cache_hits,
                         len(self._compiled), cache.directory)
         self.allocate_kv_cache()
+        for bucket in buckets:  # every bucket's buffers, before the first step's compile-free run
+            ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
+            self._staged_inputs(layout, ints, floats)
+            self._output_buffers(bucket)
         # one real step: checks that the executables run
         jax.block_until_ready(self.execute(self.dummy_input(*buckets[0]), prompt_logprobs=True))
         self.kv_caches = kv_cache.copy_pages(self.kv_caches, [(0, 0)])

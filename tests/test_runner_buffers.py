@@ -1,0 +1,76 @@
+"""Every buffer a step's forward program reads or writes, but its temporaries, keeps its address from
+step to step, so that XLA, which re-records the commands of a CUDA graph whose buffers moved since its
+last run, does not re-record the forward's graph every step."""
+
+from __future__ import annotations
+
+import pytest
+
+from jengine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
+               token_buckets=(4, 16), seq_buckets=(2, 4), compilation_cache_dir=None, use_tqdm_on_load=False)
+
+
+def _addresses(runner) -> dict:
+    buffers = {"prev_ids": runner.prev_ids}
+    for layout, (ints, floats) in runner._inputs.items():
+        buffers[("ints", hash(layout))], buffers[("floats", hash(layout))] = ints, floats
+    buffers.update({("logits", s): x for s, x in runner._logits.items()})
+    buffers.update({("hidden", t): x for t, x in runner._hidden.items()})
+    assert not any(x.is_deleted() for x in buffers.values())
+    return {name: x.unsafe_buffer_pointer() for name, x in buffers.items()}
+
+
+def test_warmup_makes_every_buckets_buffers(llm):
+    runner = llm.engine.runner
+    buckets = runner.buckets()
+    assert len(runner._inputs) == len(buckets)
+    assert set(runner._logits) == {s for _, s in buckets} and set(runner._hidden) == {t for t, _ in buckets}
+
+
+def test_steps_leave_every_buffer_where_the_last_run_left_it(llm):
+    runner = llm.engine.runner
+    prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]  # prefill chunks, mixed steps and decodes
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=5, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, presence_penalty=0.5)]
+    # A first run uses every bucket once: a buffer may move once (the CPU client gives a donated
+    # one-element buffer a new home), never again after.
+    first = llm.generate(prompts, params, use_tqdm=False)
+    before, steps = _addresses(runner), llm.engine.stats["steps"]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 4, 3]
+    assert outs[0].outputs[0].token_ids == first[0].outputs[0].token_ids  # greedy: the same tokens again
+    assert llm.engine.stats["steps"] - steps >= 6
+    assert _addresses(runner) == before
+
+
+def test_twin_forwards_take_turns_and_give_the_same_tokens(monkeypatch, llm):
+    """On GPUs each forward is loaded twice and a bucket's steps alternate between the copies (each keeps
+    its own CUDA graph). Forced here on the CPU, with JAX's persistent cache off so that every program is
+    compiled in this process (a CPU copy of one loaded from that cache would lack its kernels)."""
+    import jax
+
+    import jengine.runner
+
+    monkeypatch.setattr(jengine.runner, "stores_loaded_executables", lambda: True)
+    cache_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        twins = LLM("jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
+                    token_buckets=(4, 16), seq_buckets=(2, 4), compilation_cache_dir=None, use_tqdm_on_load=False)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_on)
+    runner = twins.engine.runner
+    assert runner.twin_forwards and set(runner._twins) == {key[1] for key in runner._compiled if key[0] == "forward"}
+    assert all(runner._twins[layout] is not runner._compiled[("forward", layout)] for layout in runner._twins)
+    prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    runs = dict(runner._runs)
+    assert [o.outputs[0].token_ids for o in twins.generate(prompts, greedy, use_tqdm=False)] == want
+    assert max(runner._runs[k] - runs.get(k, 0) for k in runner._runs) >= 4  # a bucket ran on both copies
