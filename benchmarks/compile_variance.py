@@ -79,16 +79,14 @@ def child(args) -> None:
     compile_s = time.perf_counter() - t0
 
     runner.allocate_kv_cache()
-    ints, floats, layout = pack(dataclasses.replace(runner.dummy_input(*target), sampling=None))
+    ints, floats, _ = pack(dataclasses.replace(runner.dummy_input(*target), sampling=None))
     kv = runner.kv_caches
-    # The buffers each call writes its staged inputs, logits and hidden states over (donated).
-    staged, outputs = runner._staged_inputs(layout, ints, floats), runner._output_buffers(target)
+    outputs = runner._output_buffers(target)  # the logits and hidden buffers each call writes over (donated)
 
     def call(kv):
-        nonlocal staged, outputs
-        kv, logits, hidden, *staged = compiled(runner.params, kv, *staged, ints, floats, runner.prev_ids, *outputs)
-        outputs = (logits, hidden)
-        return kv, logits
+        nonlocal outputs
+        kv, *outputs = compiled(runner.params, kv, ints, floats, runner.prev_ids, *outputs)
+        return kv, outputs[0]
 
     serial, pipelined = [], []
     for i in range(args.warmup_calls + args.calls):

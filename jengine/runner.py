@@ -134,34 +134,24 @@ def unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> StepInput:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _stage(buffer: jax.Array, x: jax.Array) -> jax.Array:
-    """`x` written over the start of the donated `buffer`, one element longer so that XLA cannot replace
-    the write by `x` itself, behind a barrier so that it cannot read `x` in the copy's place: the
-    program's readers read `buffer`, which stays at one address, not the step's fresh input."""
-    return jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(buffer, x, (0,)))
-
-
-def _forward(params, kv_caches, staged_ints, staged_floats, ints, floats, prev_ids, logits_buffer, hidden_buffer, *,
-             layout, cfg: ModelConfig, mesh=None):
+def _forward(params, kv_caches, ints, floats, prev_ids, logits_buffer, hidden_buffer, *, layout, cfg: ModelConfig,
+             mesh=None):
     """The model over one ragged batch: new K/V into the pages, logits of each sequence's last token.
 
     Tokens the host did not know yet (sampled by the step still running when this one was prepared)
     are taken from that step's output `prev_ids [max_seqs]` on the device. Returns the cache, the
-    logits `[S, V]` f32 and the final hidden states `[T, H]` (read only for prompt logprobs), and the
-    packed inputs copied into `staged_ints` / `staged_floats` (see `_stage`). Outputs are written over
-    the donated buffers of their shapes, so that every buffer the program's kernels touch but its
-    temporaries keeps its address from step to step (see `ModelRunner`).
+    logits `[S, V]` f32 and the final hidden states `[T, H]` (read only for prompt logprobs), written
+    over the donated `logits_buffer` and `hidden_buffer` (same shapes), so that they keep their
+    addresses from step to step (see `ModelRunner`).
     """
     del logits_buffer, hidden_buffer  # donated: XLA writes the outputs of their shapes into them
-    staged_ints, staged_floats = _stage(staged_ints, ints), _stage(staged_floats, floats)
-    inp = unpack(staged_ints[: ints.shape[0]], staged_floats[: floats.shape[0]], layout)
+    inp = unpack(ints, floats, layout)
     known = inp.prev_token_index < 0
     token_ids = jnp.where(known, inp.model.token_ids, prev_ids[jnp.maximum(inp.prev_token_index, 0)])
     model_input = dataclasses.replace(inp.model, token_ids=token_ids)
     family = get_model_family(cfg.architecture)
     kv_caches, hidden = family.forward(params, cfg, model_input, kv_caches, mesh=mesh)  # hidden [T, H]
-    logits = family.compute_logits(params, cfg, hidden[inp.logits_indices])
-    return kv_caches, logits, hidden, staged_ints, staged_floats
+    return kv_caches, family.compute_logits(params, cfg, hidden[inp.logits_indices]), hidden
 
 
 # (filters, random, top_logprobs) a batch can need: top-k/top-p filters only come with the general
@@ -232,14 +222,16 @@ def build_step_input(rows, num_tokens_padded: int, num_seqs_padded: int, pages_p
 class ModelRunner:
     """Owns the params, the KV cache and the compiled step; executes one StepInput at a time.
 
-    XLA re-records the commands of a CUDA graph whose buffers moved since the graph's last run (on an
-    H200, ~0.8-1.9 ms of host time per 8B decode step, benchmarks/RESULTS.md, session 22). So every
-    buffer the forward's kernels use stays at one address from step to step: the packed inputs are
-    copied into persistent buffers per layout first thing (`_stage`), the logits and hidden states
-    are written over donated buffers per bucket, and the sampled ids over one donated `[max_seqs]`
-    buffer. The program's temporaries are allocated per run, and while one step runs the next one's
-    take the other of two places; so on GPUs each forward is loaded twice (`executable_cache.reload`)
-    and a bucket's steps take the two copies in turn, each with its own graph and temporaries' place.
+    XLA re-records the commands of a CUDA graph whose buffers moved since the graph's last run: on an
+    H200 1.4-2.1 ms of host time per 8B batch-64 step, every step (benchmarks/RESULTS.md, sessions
+    21-22). So the buffers the forward's kernels use stay put from step to step: the logits and
+    hidden states are written over donated buffers per bucket, and the sampled ids over one donated
+    `[max_seqs]` buffer. A program's temporaries are allocated per run, and while one step runs the
+    next one's take another place, the two places alternating; so on GPUs each forward is loaded
+    twice (`executable_cache.reload`) and a bucket's steps take the two copies in turn, each with its
+    own graph, which then finds its temporaries where it left them. (The packed inputs, fresh arrays
+    each step, mostly land where the last ones were too; copying them into fixed buffers cost 0.16 ms
+    per step on the device, for reasons not found.)
 
     `mesh`: the tensor-parallel mesh (None: one device). `cfg` is then the model the devices hold
     (`sharding.sharded_model_config`); params arrive sharded; the cache is split by KV heads, and
@@ -270,7 +262,6 @@ class ModelRunner:
         # The ids the last step sampled, `[max_seqs]`: the next forward reads them, the next sampling
         # program writes its own over them (donated).
         self.prev_ids = self._put(np.zeros(self.max_seqs, np.int32))
-        self._inputs: dict[tuple, tuple[jax.Array, jax.Array]] = {}  # layout -> its staged (ints, floats)
         self._logits: dict[int, jax.Array] = {}  # S -> the buffer the forward writes its logits over
         self._hidden: dict[int, jax.Array] = {}  # T -> the same for its hidden states
         # layout -> the forward's second copy and the number of its steps so far (GPU only: elsewhere a
@@ -278,9 +269,9 @@ class ModelRunner:
         self.twin_forwards = stores_loaded_executables()
         self._twins: dict[tuple, jax.stages.Compiled] = {}
         self._runs: collections.Counter = collections.Counter()
-        if mesh is not None:  # the staged inputs come back replicated, like logits and hidden
-            fwd = dict(out_shardings=(caches, rep, rep, rep, rep))
-        self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1, 2, 3, 7, 8),
+        if mesh is not None:
+            fwd = dict(out_shardings=(caches, rep, rep))
+        self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1, 5, 6),
                                 keep_unused=True, static_argnames=("layout",), **fwd)  # kept: the output buffers
         # Each jit wraps a function object of this runner's own (a partial), so that jit's trace and
         # lowering caches are never shared between engines of one process: a lowering shared with an
@@ -324,10 +315,9 @@ class ModelRunner:
         its key in the compiled programs, and the traced program."""
         caches = self.kv_caches if self.kv_caches is not None else self._kv_cache_specs()
         ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
-        staged = [jax.ShapeDtypeStruct((x.size + 1,), x.dtype, sharding=self._replicated) for x in (ints, floats)]
-        traced = self._forward.trace(self.params, caches, *staged, ints, floats, self.prev_ids,
-                                     *self._output_specs(bucket), layout=layout)
-        _, logits, hidden, *_ = traced.out_info
+        traced = self._forward.trace(self.params, caches, ints, floats, self.prev_ids, *self._output_specs(bucket),
+                                     layout=layout)
+        _, logits, hidden = traced.out_info
         if (logits.shape, logits.dtype, hidden.shape, hidden.dtype) != tuple(
                 x for spec in self._output_specs(bucket) for x in (spec.shape, spec.dtype)):
             raise AssertionError(f"forward outputs {logits}, {hidden} differ from the buffers given for them")
@@ -353,10 +343,8 @@ class ModelRunner:
         self._runs[layout] += 1
         if twin is not None and self._runs[layout] % 2:
             forward = twin
-        self.kv_caches, logits, hidden, *staged = forward(
-            self.params, self.kv_caches, *self._staged_inputs(layout, ints, floats), ints, floats, self.prev_ids,
-            *self._output_buffers(bucket))
-        self._inputs[layout] = tuple(staged)
+        self.kv_caches, logits, hidden = forward(self.params, self.kv_caches, ints, floats, self.prev_ids,
+                                                 *self._output_buffers(bucket))
         self._logits[bucket[1]], self._hidden[bucket[0]] = logits, hidden
         s_ints, s_floats, s_layout = pack(program_inputs(sampling, switches))
         self.prev_ids, out = self._program("sample", s_layout, *switches)(logits, s_ints, s_floats, self.prev_ids)
@@ -365,14 +353,6 @@ class ModelRunner:
             plp = self._program("prompt_logprobs", inp.prompt_targets.shape[0])(self.params, hidden,
                                                                                 inp.prompt_targets)
         return out, plp
-
-    def _staged_inputs(self, layout: tuple, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """The buffers a layout's forward copies its packed inputs into (one element longer: `_stage`),
-        made on first use (warm-up makes every bucket's) or after a failed step consumed them."""
-        staged = self._inputs.get(layout)
-        if staged is None or any(x.is_deleted() for x in staged):
-            staged = self._inputs[layout] = self._put(tuple(np.zeros(x.size + 1, x.dtype) for x in (ints, floats)))
-        return staged
 
     def _output_buffers(self, bucket: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
         """The buffers a (T, S) bucket's forward writes its logits and hidden states over, made on first
@@ -447,7 +427,7 @@ class ModelRunner:
         forwards, logits_of, hidden_of = [], {}, {}
         for bucket in buckets:
             name, traced = self.trace_forward(bucket)
-            _, logits, hidden, *_ = traced.out_info
+            _, logits, hidden = traced.out_info
             logits_of.setdefault(bucket[1], self._spec(logits))
             hidden_of.setdefault(bucket[0], self._spec(hidden))
             forwards.append((name, traced, forward_compiler_options(bucket[0])))
@@ -478,9 +458,7 @@ class ModelRunner:
             logger.info("executable cache: %d of %d programs loaded from %s", self.executable_cache_hits,
                         len(self._compiled), cache.directory)
         self.allocate_kv_cache()
-        for bucket in buckets:  # every bucket's buffers, before the first step's compile-free run
-            ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
-            self._staged_inputs(layout, ints, floats)
+        for bucket in buckets:  # every bucket's output buffers, before the first step
             self._output_buffers(bucket)
         # one real step: checks that the executables run
         jax.block_until_ready(self.execute(self.dummy_input(*buckets[0]), prompt_logprobs=True))

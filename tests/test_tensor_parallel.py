@@ -125,9 +125,8 @@ def _logits_shape(runner) -> list[int]:
     from jengine.runner import pack
 
     ints, floats, layout = pack(dataclasses.replace(runner.dummy_input(8, 4), sampling=None))
-    runner.kv_caches, logits, *_ = runner._forward(runner.params, runner.kv_caches,
-                                                   *runner._staged_inputs(layout, ints, floats), ints, floats,
-                                                   runner.prev_ids, *runner._output_buffers((8, 4)), layout=layout)
+    runner.kv_caches, logits, _ = runner._forward(runner.params, runner.kv_caches, ints, floats, runner.prev_ids,
+                                                  *runner._output_buffers((8, 4)), layout=layout)
     return list(logits.shape)
 
 
