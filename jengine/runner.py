@@ -227,11 +227,12 @@ class ModelRunner:
     21-22). So the buffers the forward's kernels use stay put from step to step: the logits and
     hidden states are written over donated buffers per bucket, and the sampled ids over one donated
     `[max_seqs]` buffer. A program's temporaries are allocated per run, and while one step runs the
-    next one's take another place, the two places alternating; so on GPUs each forward is loaded
-    twice (`executable_cache.reload`) and a bucket's steps take the two copies in turn, each with its
-    own graph, which then finds its temporaries where it left them. (The packed inputs, fresh arrays
-    each step, mostly land where the last ones were too; copying them into fixed buffers cost 0.16 ms
-    per step on the device, for reasons not found.)
+    next one's take another place, the two places alternating; so on GPUs the forward of each bucket
+    that decode steps can use (T <= the largest S) is loaded twice (`executable_cache.reload`) and the
+    bucket's steps take the two copies in turn, each with its own graph, which then finds its
+    temporaries where it left them. Prefill buckets run long enough to hide re-recording, and each
+    copy costs start-up time. The packed inputs, fresh arrays each step, mostly land where the last
+    ones were; copying them into fixed buffers cost 0.16 ms per step on the device (cause not found).
 
     `mesh`: the tensor-parallel mesh (None: one device). `cfg` is then the model the devices hold
     (`sharding.sharded_model_config`); params arrive sharded; the cache is split by KV heads, and
@@ -424,9 +425,11 @@ class ModelRunner:
         # programs, quick to lower but each several seconds of XLA compile (the sampler's [S, V] passes),
         # then go to the pool first, and compile while this thread lowers the forwards (~1.3 s each).
         started = time.perf_counter()
-        forwards, logits_of, hidden_of = [], {}, {}
+        forwards, logits_of, hidden_of, twinned = [], {}, {}, set()
         for bucket in buckets:
             name, traced = self.trace_forward(bucket)
+            if self.twin_forwards and bucket[0] <= self.max_seqs:
+                twinned.add(name)
             _, logits, hidden = traced.out_info
             logits_of.setdefault(bucket[1], self._spec(logits))
             hidden_of.setdefault(bucket[0], self._spec(hidden))
@@ -447,12 +450,14 @@ class ModelRunner:
                 yield ("prompt_logprobs", t), traced, None
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            twins = {}
             for name, compiled in build_all(itertools.chain(samplers(), prompt_logprobs(), forwards)):
                 self._compiled[name] = compiled
+                if name in twinned:
+                    twins[name[1]] = pool.submit(reload, compiled)
                 if name[0] == "forward":
-                    if self.twin_forwards:
-                        self._twins[name[1]] = reload(compiled)
                     bar.update()
+            self._twins.update((layout, job.result()) for layout, job in twins.items())
         bar.close()
         if cache is not None:
             logger.info("executable cache: %d of %d programs loaded from %s", self.executable_cache_hits,

@@ -4,6 +4,11 @@ the copies in turn: XLA re-records the commands of a CUDA graph whose buffers mo
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from jengine import LLM, SamplingParams
@@ -46,29 +51,37 @@ def test_steps_leave_every_buffer_where_the_last_run_left_it(llm):
     assert _addresses(runner) == before
 
 
-def test_twin_forwards_take_turns_and_give_the_same_tokens(monkeypatch, llm):
-    """On GPUs each forward is loaded twice and a bucket's steps alternate between the copies (each keeps
-    its own CUDA graph). Forced here on the CPU, with JAX's persistent cache off so that every program is
-    compiled in this process (a CPU copy of one loaded from that cache would lack its kernels)."""
-    import jax
+# Twins forced on the CPU, in a process with no compilation cache: a CPU copy of an executable that JAX
+# loaded from its persistent cache would lack its kernels, and in this process earlier tests enabled it.
+_TWIN_SCRIPT = """
+import json
+import jengine.runner
+jengine.runner.stores_loaded_executables = lambda: True
+from jengine import LLM, SamplingParams
+llm = LLM("jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(4, 16),
+          seq_buckets=(2, 4), num_gpu_blocks_override=64, compilation_cache_dir=None, use_tqdm_on_load=False)
+runner = llm.engine.runner
+forwards = {key[1]: c for key, c in runner._compiled.items() if key[0] == "forward"}
+decode = {runner.trace_forward(b)[0][1] for b in runner.buckets() if b[0] <= runner.max_seqs}  # (4, S) buckets
+runs = dict(runner._runs)
+outs = llm.generate(%r, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+print(json.dumps({"twins": runner.twin_forwards and set(runner._twins) == decode and len(forwards) > len(decode),
+                  "distinct": all(runner._twins[k] is not forwards[k] for k in decode),
+                  "most_runs": max(runner._runs[k] - runs.get(k, 0) for k in runner._runs),
+                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+"""
 
-    import jengine.runner
 
-    monkeypatch.setattr(jengine.runner, "stores_loaded_executables", lambda: True)
-    cache_on = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        twins = LLM("jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
-                    token_buckets=(4, 16), seq_buckets=(2, 4), num_gpu_blocks_override=64, compilation_cache_dir=None,
-                    use_tqdm_on_load=False)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_on)
-    runner = twins.engine.runner
-    assert runner.twin_forwards and set(runner._twins) == {key[1] for key in runner._compiled if key[0] == "forward"}
-    assert all(runner._twins[layout] is not runner._compiled[("forward", layout)] for layout in runner._twins)
+def test_twin_forwards_take_turns_and_give_the_same_tokens(llm):
+    """On GPUs the forward of each bucket decode steps can use is loaded twice, and the bucket's steps
+    alternate between the copies (each keeps its own CUDA graph); the tokens are those of one copy alone."""
     prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
+    proc = subprocess.run([sys.executable, "-c", _TWIN_SCRIPT % (prompts,)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    twins = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert twins["twins"] and twins["distinct"]
+    assert twins["most_runs"] >= 4  # a bucket ran on both copies, twice
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    runs = dict(runner._runs)
-    assert [o.outputs[0].token_ids for o in twins.generate(prompts, greedy, use_tqdm=False)] == want
-    assert max(runner._runs[k] - runs.get(k, 0) for k in runner._runs) >= 4  # a bucket ran on both copies
+    assert twins["tokens"] == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
