@@ -29,13 +29,12 @@ class EngineConfig:
     max_num_seqs: int | None = None  # 256 on an accelerator, 8 on the CPU
     max_num_batched_tokens: int | None = None
     # Tokens per KV page. On an H200, 64-token pages made the attention kernels 5-11% faster (one bulk copy
-    # per page) and the 8B throughput run 0.7-4.5% faster, but on some machines the batch-64 latency run
-    # slower (5.74 against 5.39 ms per step; session 19: 6.87 against 5.43, and the throughput run 3.7%
-    # slower): XLA re-recorded the step's CUDA graphs for 4.0 instead of 1.1 ms of host time per step, as
-    # their temporaries moved between steps (session 18's machine showed no slowdown). XLA rebuilds the
-    # whole forward graph after every step with either page size (3-5 of its buffers move); with 64-token
-    # pages one more moves in half the steps and each rebuild takes 2.10 instead of 1.44 ms (session 21:
-    # B=64 5.89 against 5.19 ms). So the default stays vLLM's 16 (RESULTS.md, sessions 15-16, 18-19, 21).
+    # per page) and the 8B throughput run 0.7-4.5% faster on some machines (sessions 15-21), but the
+    # batch-64 latency run slower on others (session 19: 6.87 against 5.43 ms), because XLA re-recorded the
+    # forward's CUDA graph after every step and took longer over it with 64-token pages. Since session 22
+    # the runner keeps the graph's buffers in place (ModelRunner), and with 64-token pages the batch-64 run
+    # took 5.28 against the old code's 5.55 ms; but throughput gained nothing measurable on two machines
+    # (+0.5%, -0.03%). So the default stays vLLM's 16 (RESULTS.md, sessions 15-22).
     # Prefix caching shares whole pages: smaller pages share shorter prefixes.
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
