@@ -258,7 +258,8 @@ class ModelRunner:
         if mesh is not None:
             rep = sharding.replicated(mesh)
             caches = [cache_sharding] * cfg.num_hidden_layers  # inputs are committed arrays or host numpy
-            smp = plp = dict(out_shardings=rep)  # logits and hidden gathered onto every device
+            fwd = dict(out_shardings=(caches, rep, rep))  # logits and hidden gathered onto every device
+            smp = plp = dict(out_shardings=rep)
         self._replicated = rep if mesh is not None else None  # where step inputs and outputs live
         # The ids the last step sampled, `[max_seqs]`: the next forward reads them, the next sampling
         # program writes its own over them (donated).
@@ -270,8 +271,6 @@ class ModelRunner:
         self.twin_forwards = stores_loaded_executables()
         self._twins: dict[tuple, jax.stages.Compiled] = {}
         self._runs: collections.Counter = collections.Counter()
-        if mesh is not None:
-            fwd = dict(out_shardings=(caches, rep, rep))
         self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1, 5, 6),
                                 keep_unused=True, static_argnames=("layout",), **fwd)  # kept: the output buffers
         # Each jit wraps a function object of this runner's own (a partial), so that jit's trace and
