@@ -125,7 +125,15 @@ def reload(compiled: jax.stages.Compiled) -> jax.stages.Compiled:
     program, with runtime state of its own (on GPUs its own CUDA graphs). Only for executables that
     serialize whole (`stores_loaded_executables`)."""
     executable, in_tree, out_tree = serialize_executable.serialize(compiled)
-    devices = list(compiled._executable._unloaded_executable.device_list)
+    return _load(executable, in_tree, out_tree, _devices(compiled))
+
+
+def _devices(compiled: jax.stages.Compiled) -> list:
+    """The devices `compiled` runs on, in order (loading a copy must hand the same ones back)."""
+    return list(compiled._executable._unloaded_executable.device_list)
+
+
+def _load(executable: bytes, in_tree, out_tree, devices: list) -> jax.stages.Compiled:
     return serialize_executable.deserialize_and_load(executable, in_tree, out_tree, backend=devices[0].client,
                                                      execution_devices=devices)
 
@@ -188,9 +196,7 @@ class ExecutableCache:
                 raise ValueError("an entry written for another key")
             by_id = {d.id: d for d in jax.devices()}
             devices = [by_id[i] for i in entry["device_ids"]]
-            return serialize_executable.deserialize_and_load(entry["executable"], entry["in_tree"],
-                                                             entry["out_tree"], backend=devices[0].client,
-                                                             execution_devices=devices)
+            return _load(entry["executable"], entry["in_tree"], entry["out_tree"], devices)
         except FileNotFoundError:
             logger.debug("executable cache: no entry %s", key)
         except Exception as e:  # any unreadable entry is a miss: the program is compiled and stored again
@@ -214,8 +220,7 @@ class ExecutableCache:
         """Write `compiled` under `key` (atomically: a reader sees the old file or the new one, whole)."""
         try:
             executable, in_tree, out_tree = serialize_executable.serialize(compiled)
-            # The devices it runs on, in order: loading must hand the same ones back.
-            device_ids = [d.id for d in compiled._executable._unloaded_executable.device_list]
+            device_ids = [d.id for d in _devices(compiled)]
             entry = dict(format=FORMAT, key=key, device_ids=device_ids, in_tree=in_tree, out_tree=out_tree,
                          executable=executable)
             os.makedirs(self.directory, exist_ok=True)

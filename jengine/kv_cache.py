@@ -29,10 +29,13 @@ def page_bytes(cfg: ModelConfig, block_size: int, dtype) -> int:
 
 
 def activation_reserve(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> int:
-    """Rough peak of a step's temporaries: the widest layer activations and the logits."""
+    """Rough peak of a step's temporaries (the widest layer activations and the logits), plus the buffers
+    the runner keeps for every bucket's logits `[S, V]` f32 and hidden states `[T, H]`."""
     tokens = ecfg.max_num_batched_tokens
     width = 2 * cfg.intermediate_size + 4 * cfg.hidden_size + 3 * cfg.num_attention_heads * cfg.head_dim
-    return 2 * tokens * width * jnp.dtype(dtype).itemsize + 4 * ecfg.max_num_seqs * cfg.vocab_size * 4
+    itemsize = jnp.dtype(dtype).itemsize
+    kept = 4 * cfg.vocab_size * sum(ecfg.seq_buckets or ()) + itemsize * cfg.hidden_size * sum(ecfg.token_buckets or ())
+    return 2 * tokens * width * itemsize + 4 * ecfg.max_num_seqs * cfg.vocab_size * 4 + kept
 
 
 # When the client gives XLA no allocator limit (its VMM allocator keeps none), XLA's GPU scheduler plans

@@ -357,13 +357,11 @@ class ModelRunner:
     def _output_buffers(self, bucket: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
         """The buffers a (T, S) bucket's forward writes its logits and hidden states over, made on first
         use (warm-up makes every bucket's) or after a failed step consumed them."""
-        made = []
-        for store, size, spec in zip((self._logits, self._hidden), bucket[::-1], self._output_specs(bucket)):
-            buffer = store.get(size)
-            if buffer is None or buffer.is_deleted():
-                buffer = store[size] = self._put(np.zeros(spec.shape, spec.dtype))
-            made.append(buffer)
-        return tuple(made)
+        logits, hidden = self._logits.get(bucket[1]), self._hidden.get(bucket[0])
+        if logits is None or hidden is None or logits.is_deleted() or hidden.is_deleted():  # not per step
+            logits, hidden = self._put(tuple(np.zeros(spec.shape, spec.dtype) for spec in self._output_specs(bucket)))
+            self._logits[bucket[1]], self._hidden[bucket[0]] = logits, hidden
+        return logits, hidden
 
     def _program(self, kind: str, *key):
         """The executable compiled at warm-up for this program and static key, else its jit (which
