@@ -85,6 +85,7 @@ def child(args) -> None:
                               "engine_startup_s": llm.engine.startup_seconds,
                               "engine_phases": llm.engine.startup_phases,
                               "lowering_s": llm.engine.runner.warmup_lowering_seconds,
+                              "first_runs_s": llm.engine.runner.warmup_first_runs_seconds,
                               "kv_cache_memory": llm.engine.kv_cache_memory,
                               "buckets": llm.engine.num_compiled_buckets, "startup_programs": startup_compiles.count,
                               "startup_cache_hits": startup_compiles.cache_hits,
@@ -140,11 +141,12 @@ def main(argv: list[str] | None = None) -> dict:
                        "startup_cache_hits", "executable_cache_hits", "compilations_after_warmup", "cache_files"])
     print("seconds per phase (process start and script imports / jax and jengine imports / GPU client / "
           "engine constructor / first request; the constructor's own phases after it, and the part of compile "
-          "this thread spent tracing and lowering while the pool compiled):")
+          "this thread spent tracing and lowering while the pool compiled, and running every program once):")
     for row in rows:
         phases = " / ".join(f"{row[f'{n}_s']:.1f}" for n in ("entry", "imports", "backend", "engine", "request"))
         inner = ", ".join(f"{k} {v:.1f}" for k, v in row["engine_phases"].items())
-        print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f})")
+        print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f}, "
+              f"every program's first run {row['first_runs_s']:.1f})")
     return save_results(args, rows)
 
 

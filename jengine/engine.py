@@ -85,6 +85,24 @@ class _Phases:
         self.last = now
 
 
+def token_ids(prompt, vocab: int) -> list[int]:
+    """A prompt's token ids (a list, tuple or 1-D array) as a list of ints in [0, vocab); a ValueError
+    for anything else: floats (1.5 would pass int()), bools, nested lists. Lists of plain ints, the usual
+    case, are checked at C speed (a per-token isinstance against numbers.Integral took 80 ms for 256
+    prompts of 512 tokens, all before the first step)."""
+    if isinstance(prompt, np.ndarray):
+        ids = prompt.tolist() if prompt.ndim == 1 and prompt.dtype.kind in "iu" else None
+    elif set(map(type, prompt)) <= {int}:  # (a bool's type is bool, not int)
+        ids = list(prompt)
+    elif any(isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral) for t in prompt):
+        ids = None
+    else:  # numpy integers and other integral types
+        ids = [int(t) for t in prompt]
+    if ids is None or (ids and (min(ids) < 0 or max(ids) >= vocab)):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+    return ids
+
+
 class LLMEngine:
     """Owns the model runner, the scheduler and the tokenizer; turns requests into outputs."""
 
@@ -166,11 +184,7 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple, np.ndarray)):
-            vocab = self.model_config.vocab_size
-            if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
-                   for t in prompt):  # no floats (1.5 would pass int()), bools or nested lists
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-            return None, [int(t) for t in prompt]
+            return None, token_ids(prompt, self.model_config.vocab_size)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,

@@ -73,7 +73,7 @@ class Request:
         priority: int = 0,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids: list[int] = [int(t) for t in prompt_token_ids]
+        self.prompt_token_ids: list[int] = list(map(int, prompt_token_ids))
         self.sampling_params = sampling_params
         self.arrival_time = time.time() if arrival_time is None else float(arrival_time)
         # Lower value runs first under the "priority" policy (vLLM's convention).

@@ -269,6 +269,10 @@ class ModelRunner:
         # layout -> the forward's second copy and the number of its steps so far (GPU only: elsewhere a
         # program has no graph, and on the CPU a copy of one JAX loaded from its cache would not run).
         self.twin_forwards = stores_loaded_executables()
+        # Whether warm-up runs every program once, or only the first bucket's (GPU only: there a program's
+        # first run costs tens of ms of host time, `_run_every_program`; on the CPU running the largest
+        # buckets would cost start-up more than it saves).
+        self.run_all_at_warmup = self.twin_forwards
         self._twins: dict[tuple, jax.stages.Compiled] = {}
         self._runs: collections.Counter = collections.Counter()
         self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1, 5, 6),
@@ -283,6 +287,7 @@ class ModelRunner:
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}  # filled by warmup(), in parallel
         self.warmup_lowering_seconds = 0.0  # warm-up's time tracing and lowering (one thread), for reports
+        self.warmup_first_runs_seconds = 0.0  # warm-up's time running every program once, for reports
 
     def allocate_kv_cache(self) -> None:
         if self.kv_caches is None:
@@ -425,7 +430,7 @@ class ModelRunner:
         forwards, logits_of, hidden_of, twinned = [], {}, {}, set()
         for bucket in buckets:
             name, traced = self.trace_forward(bucket)
-            if self.twin_forwards and bucket[0] <= self.max_seqs:
+            if self._twinned(bucket):
                 twinned.add(name)
             _, logits, hidden = traced.out_info
             logits_of.setdefault(bucket[1], self._spec(logits))
@@ -434,12 +439,11 @@ class ModelRunner:
 
         def samplers():
             for s, logits in logits_of.items():
-                tensors = build_sampling_tensors([], s, self.cfg.vocab_size)
-                for filters, random, top in SAMPLER_VARIANTS:
-                    s_ints, s_floats, s_layout = pack(program_inputs(tensors, SamplerSwitches(filters, random, top)))
+                for variant in SAMPLER_VARIANTS:
+                    s_ints, s_floats, s_layout = self._dummy_sampling(s, variant)
                     traced = self._sample.trace(logits, s_ints, s_floats, self.prev_ids, layout=s_layout,
-                                                filters=filters, random=random, top_logprobs=top)
-                    yield ("sample", s_layout, filters, random, top), traced, None
+                                                filters=variant[0], random=variant[1], top_logprobs=variant[2])
+                    yield ("sample", s_layout, *variant), traced, None
 
         def prompt_logprobs():
             for t, hidden in hidden_of.items():
@@ -462,14 +466,44 @@ class ModelRunner:
         self.allocate_kv_cache()
         for bucket in buckets:  # every bucket's output buffers, before the first step
             self._output_buffers(bucket)
-        # one real step: checks that the executables run
-        jax.block_until_ready(self.execute(self.dummy_input(*buckets[0]), prompt_logprobs=True))
+        self._run_every_program(buckets if self.run_all_at_warmup else buckets[:1])
         self.kv_caches = kv_cache.copy_pages(self.kv_caches, [(0, 0)])
         if self.host_pool.pages is not None:
             self.host_pool.swap_out(self.kv_caches, [(0, 0)])
             self.kv_caches = self.host_pool.swap_in(self.kv_caches, [(0, 0)])
         jax.block_until_ready(self.kv_caches)
         return len(buckets)
+
+    def _twinned(self, bucket: tuple[int, int]) -> bool:
+        """Whether warm-up loads a second copy of this bucket's forward (decode-sized buckets on GPUs)."""
+        return self.twin_forwards and bucket[0] <= self.max_seqs
+
+    def _dummy_sampling(self, num_seqs: int, variant: tuple[bool, bool, bool]):
+        """Packed sampling inputs `(ints, floats, layout)` of a padding-only batch for a sampler variant."""
+        tensors = build_sampling_tensors([], num_seqs, self.cfg.vocab_size)
+        return pack(program_inputs(tensors, SamplerSwitches(*variant)))
+
+    def _run_every_program(self, buckets: list[tuple[int, int]]) -> None:
+        """Run every program of `buckets` once, on padding-only inputs (which read and write no page):
+        each bucket's forward (both copies of a twinned one) with prompt logprobs once per T, and every
+        sampler variant per S. An executable's first run costs the host tens of ms (XLA records and
+        instantiates its CUDA graphs); run here, that is start-up time instead of a stall at the first
+        step of each bucket (on an H200 the throughput run lost ~0.1 s to them, RESULTS.md session 23).
+        Also checks that the executables run."""
+        started = time.perf_counter()
+        with_logprobs = set()
+        for bucket in buckets:
+            inp = self.dummy_input(*bucket)
+            for _ in range(2 if self._twinned(bucket) else 1):
+                self.execute(inp, prompt_logprobs=bucket[0] not in with_logprobs)
+                with_logprobs.add(bucket[0])
+        for num_seqs in sorted({s for _, s in buckets}):
+            for variant in SAMPLER_VARIANTS:
+                s_ints, s_floats, s_layout = self._dummy_sampling(num_seqs, variant)
+                self.prev_ids, _ = self._program("sample", s_layout, *variant)(
+                    self._logits[num_seqs], s_ints, s_floats, self.prev_ids)
+        jax.block_until_ready(self.prev_ids)
+        self.warmup_first_runs_seconds = time.perf_counter() - started
 
     def copy_pages(self, pairs):
         self.kv_caches = kv_cache.copy_pages(self.kv_caches, pairs)

@@ -35,6 +35,19 @@ def test_warmup_makes_every_buckets_buffers(llm):
     assert set(runner._logits) == {s for _, s in buckets} and set(runner._hidden) == {t for t, _ in buckets}
 
 
+def test_warmup_runs_every_program_it_made(llm, monkeypatch):
+    """Each executable's first run (slow on the host: XLA records its CUDA graphs) belongs to start-up:
+    warm-up runs every forward, sampler variant and prompt-logprobs program once."""
+    runner = llm.engine.runner
+    ran = []
+    real = type(runner)._program
+    monkeypatch.setattr(type(runner), "_program", lambda self, kind, *key: ran.append((kind, *key)) or real(
+        self, kind, *key))
+    runner._run_every_program(runner.buckets())
+    assert set(ran) == set(runner._compiled)
+    assert {k[0] for k in ran} == {"forward", "sample", "prompt_logprobs"}
+
+
 def test_steps_leave_every_buffer_where_the_last_run_left_it(llm):
     runner = llm.engine.runner
     prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]  # prefill chunks, mixed steps and decodes
@@ -64,9 +77,11 @@ runner = llm.engine.runner
 forwards = {key[1]: c for key, c in runner._compiled.items() if key[0] == "forward"}
 decode = {runner.trace_forward(b)[0][1] for b in runner.buckets() if b[0] <= runner.max_seqs}  # (4, S) buckets
 runs = dict(runner._runs)
+warm = all(runs.get(k) == 2 for k in decode) and all(runs.get(k) == 1 for k in set(forwards) - decode)
 outs = llm.generate(%r, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
 print(json.dumps({"twins": runner.twin_forwards and set(runner._twins) == decode and len(forwards) > len(decode),
                   "distinct": all(runner._twins[k] is not forwards[k] for k in decode),
+                  "warm": warm,
                   "most_runs": max(runner._runs[k] - runs.get(k, 0) for k in runner._runs),
                   "tokens": [o.outputs[0].token_ids for o in outs]}))
 """
@@ -82,6 +97,7 @@ def test_twin_forwards_take_turns_and_give_the_same_tokens(llm):
     assert proc.returncode == 0, proc.stderr[-3000:]
     twins = json.loads(proc.stdout.strip().splitlines()[-1])
     assert twins["twins"] and twins["distinct"]
+    assert twins["warm"]  # warm-up ran each copy of a twinned forward once, and every other forward once
     assert twins["most_runs"] >= 4  # a bucket ran on both copies, twice
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert twins["tokens"] == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
