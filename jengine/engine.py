@@ -91,8 +91,10 @@ def token_ids(prompt, vocab: int) -> list[int]:
     case, are checked at C speed (a per-token isinstance against numbers.Integral took 80 ms for 256
     prompts of 512 tokens, all before the first step)."""
     if isinstance(prompt, np.ndarray):
-        ids = prompt.tolist() if prompt.ndim == 1 and prompt.dtype.kind in "iu" else None
-    elif set(map(type, prompt)) <= {int}:  # (a bool's type is bool, not int)
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got a {prompt.ndim}-D array")
+        prompt = prompt.tolist()  # Python ints (or floats, bools, objects: checked below)
+    if set(map(type, prompt)) <= {int}:  # (a bool's type is bool, not int)
         ids = list(prompt)
     elif any(isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral) for t in prompt):
         ids = None

@@ -250,6 +250,7 @@ def test_engine_arguments_of_the_wrong_type_are_named(llm):
     ([np.array([1.5, 2.0])], "prompt token ids must be integers"),
     ([np.array([True, False])], "prompt token ids must be integers"),
     ([np.array([[1, 2], [3, 4]])[None]], "prompt token ids must be integers"),  # one prompt of rows
+    ([np.array(3)], "prompt token ids must be integers .* 0-D array"),
     ([[1, -1]], r"prompt token ids must be integers in \[0, "),
     ([[1, 10**12]], r"prompt token ids must be integers in \[0, "),
     ([[np.int32(1), 2.0]], "prompt token ids must be integers"),
@@ -263,7 +264,8 @@ def test_malformed_prompts_are_value_errors(llm, prompts, message):
 def test_numpy_token_ids_are_one_prompt(llm):
     expected = _greedy_tokens(llm, [HF_CASES[0][0]])[0]
     ids = HF_CASES[0][0]
-    for prompt in (np.asarray(ids), np.asarray(ids, np.uint32), [np.int64(t) for t in ids], tuple(ids)):
+    for prompt in (np.asarray(ids), np.asarray(ids, np.uint32), np.asarray(ids, object), [np.int64(t) for t in ids],
+                   tuple(ids)):
         out = llm.generate(prompt, GREEDY16, use_tqdm=False)
         assert len(out) == 1 and out[0].outputs[0].token_ids == expected
     _assert_no_leak(llm)
