@@ -250,9 +250,12 @@ def test_kernels_bench_times_net_of_program_cost(tmp_path):
     import kernels
 
     out = tmp_path / "k.json"
-    kernels.main(["--impl", "reference", "--mode", "decode", "--batch", "8", "--ctx", "2048", "--calls", "4",
-                  "--no-bundled", "--json", str(out)])
-    (row,) = json.loads(out.read_text())["rows"]
+    for _ in range(3):  # on a loaded 2-core CPU the net time of 4 calls came out <= 0 (nan) once in several runs
+        kernels.main(["--impl", "reference", "--mode", "decode", "--batch", "8", "--ctx", "2048", "--calls", "4",
+                      "--no-bundled", "--json", str(out)])
+        (row,) = json.loads(out.read_text())["rows"]
+        if row["us"] > 0:
+            break
     assert (row["mode"], row["batch"], row["ctx"]) == ("decode", 8, 2048) and row["us"] > 0
     if kernels.jax.default_backend() != "gpu":  # CUPTI counts CUDA kernels: refused up front elsewhere
         with pytest.raises(SystemExit):
