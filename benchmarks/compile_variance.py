@@ -59,7 +59,8 @@ def child(args) -> None:
 
     from jengine.engine import LLMEngine
     from jengine.engine_config import EngineConfig
-    from jengine.runner import forward_compiler_options, pack
+    from jengine.runner import forward_compiler_options
+    from jengine.step_input import pack
 
     config = EngineConfig(model=args.model, **engine_args(args, compilation_cache_dir=None))
     runner = LLMEngine(config, warmup=False, progress=False).runner

@@ -27,9 +27,9 @@ from common import H200_COPY_BW, non_negative_int, positive_float, positive_int,
 from jengine.buckets import seq_bucket
 from jengine.engine import LLMEngine
 from jengine.engine_config import KV_CACHE_DTYPES, PAGE_SIZES, EngineConfig
-from jengine.runner import build_step_input
 from jengine.sampler import build_sampling_tensors
 from jengine.sampling_params import SamplingParams
+from jengine.step_input import build_step_input
 
 CATEGORIES = (  # first match wins
     ("attention", re.compile(r"ragged_paged_attention|paged_attention", re.I)),

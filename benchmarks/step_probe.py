@@ -16,9 +16,9 @@ from common import non_negative_int, positive_float, positive_int
 
 from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
-from jengine.runner import build_step_input
 from jengine.sampler import build_sampling_tensors
 from jengine.sampling_params import SamplingParams
+from jengine.step_input import build_step_input
 
 
 def _median_ms(fn, n=20):

@@ -25,11 +25,12 @@ from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.request import PLACEHOLDER, Request
-from jengine.runner import ModelRunner, build_step_input, to_host
+from jengine.runner import ModelRunner, to_host
 from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES, SamplingRow, build_sampling_tensors
 from jengine.sampling_params import RequestOutputKind, SamplingParams
 from jengine.scheduler import Scheduler, SchedulerOutput
 from jengine.sharding import log_memory, make_mesh, sharded_model_config
+from jengine.step_input import build_step_input
 from jengine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ import numpy as np
 from jengine.config import ModelConfig
 from jengine.kv_cache import allocate
 from jengine.models import ModelInput, get_model_family
-from jengine.runner import build_step_input
 from jengine.sharding import kv_cache_sharding, replicated
+from jengine.step_input import build_step_input
 
 PAGE_SIZE = 16
 

@@ -122,7 +122,7 @@ def _logits_shape(runner) -> list[int]:
     """The shape of a (padding-only) step's logits, as the sampler receives them."""
     import dataclasses
 
-    from jengine.runner import pack
+    from jengine.step_input import pack
 
     ints, floats, layout = pack(dataclasses.replace(runner.dummy_input(8, 4), sampling=None))
     runner.kv_caches, logits, _ = runner._forward(runner.params, runner.kv_caches, ints, floats, runner.prev_ids,
