@@ -28,13 +28,14 @@ def page_bytes(cfg: ModelConfig, block_size: int, dtype) -> int:
     return per_layer * cfg.num_hidden_layers * jnp.dtype(dtype).itemsize
 
 
-def activation_reserve(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> int:
-    """Rough peak of a step's temporaries (the widest layer activations and the logits), plus the buffers
-    the runner keeps for every bucket's logits `[S, V]` f32 and hidden states `[T, H]`."""
+def activation_reserve(cfg: ModelConfig, ecfg: EngineConfig) -> int:
+    """Rough peak of a step's temporaries (the widest layer activations, in the model's dtype whatever the
+    cache's, and the logits), plus the buffers the runner keeps for every bucket's logits `[S, V]` f32 and
+    hidden states `[T, H]`. `ecfg` resolved (its bucket lists filled in)."""
     tokens = ecfg.max_num_batched_tokens
     width = 2 * cfg.intermediate_size + 4 * cfg.hidden_size + 3 * cfg.num_attention_heads * cfg.head_dim
-    itemsize = jnp.dtype(dtype).itemsize
-    kept = 4 * cfg.vocab_size * sum(ecfg.seq_buckets or ()) + itemsize * cfg.hidden_size * sum(ecfg.token_buckets or ())
+    itemsize = jnp.dtype(cfg.dtype).itemsize
+    kept = 4 * cfg.vocab_size * sum(ecfg.seq_buckets) + itemsize * cfg.hidden_size * sum(ecfg.token_buckets)
     return 2 * tokens * width * itemsize + 4 * ecfg.max_num_seqs * cfg.vocab_size * 4 + kept
 
 
@@ -110,7 +111,7 @@ def num_device_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, device=None, t
     mem = device_memory(device)
     if mem is not None:
         budget = min(int(mem["total"] * ecfg.gpu_memory_utilization), mem["limit"]) - mem["in_use"]
-        budget -= activation_reserve(cfg, ecfg, dtype)
+        budget -= activation_reserve(cfg, ecfg)
         pages = budget // (page_bytes(cfg, ecfg.block_size, dtype) // tp)
     else:  # host memory: a modest pool, never more than every sequence at full length needs
         pages = min(_CPU_DEFAULT_BYTES // (page_bytes(cfg, ecfg.block_size, dtype) // tp),

@@ -39,7 +39,7 @@ def test_budget_is_a_fraction_of_the_whole_device(monkeypatch, util):
     cfg, ecfg = configs(util)
     device = FakeDevice(limit=92 * GB, in_use=10 * GB)  # a 100 GB device
     assert device_memory(device) == {"total": 100 * GB, "limit": 92 * GB, "in_use": 10 * GB}
-    expected = (int(100 * GB * util) - 10 * GB - activation_reserve(cfg, ecfg, cfg.dtype)) // page_bytes(
+    expected = (int(100 * GB * util) - 10 * GB - activation_reserve(cfg, ecfg)) // page_bytes(
         cfg, ecfg.block_size, cfg.dtype)
     assert num_device_pages(cfg, ecfg, cfg.dtype, device=device) == expected
 
@@ -48,8 +48,20 @@ def test_budget_never_exceeds_what_the_allocator_holds(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     cfg, ecfg = configs(0.9)
     device = FakeDevice(limit=50 * GB, in_use=10 * GB)  # 0.9 of the 100 GB device is beyond the 50 GB pool
-    expected = (40 * GB - activation_reserve(cfg, ecfg, cfg.dtype)) // page_bytes(cfg, ecfg.block_size, cfg.dtype)
+    expected = (40 * GB - activation_reserve(cfg, ecfg)) // page_bytes(cfg, ecfg.block_size, cfg.dtype)
     assert num_device_pages(cfg, ecfg, cfg.dtype, device=device) == expected
+
+
+def test_an_8bit_cache_reserves_the_same_activations_and_kept_buffers(monkeypatch):
+    """Activations and the runner's kept hidden states are in the model's dtype, whatever the cache's."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    cfg, ecfg = configs(0.9)
+    device = FakeDevice(limit=92 * GB, in_use=10 * GB)
+    fp8 = jax.numpy.dtype("float8_e4m3fn")
+    reserve = activation_reserve(cfg, ecfg)
+    assert reserve > 2 * ecfg.max_num_batched_tokens * cfg.hidden_size * 2  # bf16 activations at least
+    expected = (90 * GB - 10 * GB - reserve) // page_bytes(cfg, ecfg.block_size, fp8)
+    assert num_device_pages(cfg, ecfg, fp8, device=device) == expected
 
 
 @pytest.mark.parametrize("value", [None, "junk", "0"])
@@ -181,10 +193,10 @@ def test_gpu_without_allocator_statistics_is_sized_from_the_driver(monkeypatch):
     assert device_memory(StatlessGpu()) == {"total": 100 * GB, "limit": 80 * GB, "in_use": 16 * GB}
     cfg, ecfg = configs(0.9)
     per_page = page_bytes(cfg, ecfg.block_size, cfg.dtype)
-    expected = (80 * GB - 16 * GB - activation_reserve(cfg, ecfg, cfg.dtype)) // per_page
+    expected = (80 * GB - 16 * GB - activation_reserve(cfg, ecfg)) // per_page
     assert num_device_pages(cfg, ecfg, cfg.dtype, device=StatlessGpu()) == expected
     cfg, ecfg = configs(0.7)  # a utilisation under the cap is the budget
-    expected = (70 * GB - 16 * GB - activation_reserve(cfg, ecfg, cfg.dtype)) // per_page
+    expected = (70 * GB - 16 * GB - activation_reserve(cfg, ecfg)) // per_page
     assert num_device_pages(cfg, ecfg, cfg.dtype, device=StatlessGpu()) == expected
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # a smaller allocator pool still binds
     assert device_memory(StatlessGpu())["limit"] == 50 * GB
