@@ -166,15 +166,13 @@ class ModelRunner:
         self.prev_ids = self._put(np.zeros(self.max_seqs, np.int32))
         self._logits: dict[int, jax.Array] = {}  # S -> the buffer the forward writes its logits over
         self._hidden: dict[int, jax.Array] = {}  # T -> the same for its hidden states
-        # layout -> the forward's second copy and the number of its steps so far (GPU only: elsewhere a
-        # program has no graph, and on the CPU a copy of one JAX loaded from its cache would not run).
-        self.twin_forwards = stores_loaded_executables()
-        # Whether warm-up runs every program once, or only the first bucket's (GPU only: there a program's
-        # first run costs tens of ms of host time, `_run_every_program`; on the CPU running the largest
-        # buckets would cost start-up more than it saves).
-        self.run_all_at_warmup = self.twin_forwards
-        self._twins: dict[tuple, jax.stages.Compiled] = {}
-        self._runs: collections.Counter = collections.Counter()
+        # Whether programs run as CUDA graphs (GPUs). Only then are decode buckets' forwards twinned
+        # (elsewhere a program has no graph, and on the CPU a copy of one JAX loaded from its cache would
+        # not run), and does warm-up run every program once (a first run records the graphs, tens of ms of
+        # host time, `_run_every_program`; on the CPU running the largest buckets costs more than it saves).
+        self.graphs = stores_loaded_executables()
+        self._twins: dict[tuple, jax.stages.Compiled] = {}  # layout -> the forward's second copy
+        self._runs: collections.Counter = collections.Counter()  # layout -> steps so far
         self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1, 5, 6),
                                 keep_unused=True, static_argnames=("layout",), **fwd)  # kept: the output buffers
         # Each jit wraps a function object of this runner's own (a partial), so that jit's trace and
@@ -366,7 +364,7 @@ class ModelRunner:
         self.allocate_kv_cache()
         for bucket in buckets:  # every bucket's output buffers, before the first step
             self._output_buffers(bucket)
-        self._run_every_program(buckets if self.run_all_at_warmup else buckets[:1])
+        self._run_every_program(buckets if self.graphs else buckets[:1])
         self.kv_caches = kv_cache.copy_pages(self.kv_caches, [(0, 0)])
         if self.host_pool.pages is not None:
             self.host_pool.swap_out(self.kv_caches, [(0, 0)])
@@ -376,7 +374,7 @@ class ModelRunner:
 
     def _twinned(self, bucket: tuple[int, int]) -> bool:
         """Whether warm-up loads a second copy of this bucket's forward (decode-sized buckets on GPUs)."""
-        return self.twin_forwards and bucket[0] <= self.max_seqs
+        return self.graphs and bucket[0] <= self.max_seqs
 
     def _dummy_sampling(self, num_seqs: int, variant: tuple[bool, bool, bool]):
         """Packed sampling inputs `(ints, floats, layout)` of a padding-only batch for a sampler variant."""

@@ -79,7 +79,7 @@ decode = {runner.trace_forward(b)[0][1] for b in runner.buckets() if b[0] <= run
 runs = dict(runner._runs)
 warm = all(runs.get(k) == 2 for k in decode) and all(runs.get(k) == 1 for k in set(forwards) - decode)
 outs = llm.generate(%r, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-print(json.dumps({"twins": runner.twin_forwards and set(runner._twins) == decode and len(forwards) > len(decode),
+print(json.dumps({"twins": runner.graphs and set(runner._twins) == decode and len(forwards) > len(decode),
                   "distinct": all(runner._twins[k] is not forwards[k] for k in decode),
                   "warm": warm,
                   "most_runs": max(runner._runs[k] - runs.get(k, 0) for k in runner._runs),
