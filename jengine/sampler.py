@@ -268,18 +268,24 @@ def _ordered_keys(x: jax.Array) -> jax.Array:
     return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
+RADIX_BITS = 4  # bits of the key decided per pass of `_largest_key`
+
+
 def _largest_key(pred) -> jax.Array:
     """Radix select: the largest key tau [S] with pred(tau) true, for pred monotone (true at 0).
 
-    32 masked reductions over [S, V], unrolled: exact, and no data-dependent control flow (a
-    `lax.cond` on a GPU reads its predicate on the host, which makes launching the step wait for
-    the previous one; see benchmarks/RESULTS.md).
+    Eight passes of 4 bits, unrolled: each tries the 15 nonzero digits at once (pred being monotone,
+    the number of candidates it keeps is the largest one it keeps), so 8 dependent passes where one
+    bit per pass took 32. On an H200 (8B vocabulary, top-k and top-p rows; benchmarks/RESULTS.md,
+    session 24) the filter program ran 3.07 against 3.77 ms at S=256 and 0.35-0.49 against
+    0.52-0.61 ms at S=8, with the same tokens; its compile took 1-2 CPU s more.
+    Exact, and no data-dependent control flow (a `lax.cond` on a GPU reads its predicate on the host,
+    which makes launching the step wait for the previous one; see benchmarks/RESULTS.md).
     """
-    tau = None
-    for bit in range(31, -1, -1):
-        cand = jnp.uint32(1 << bit) if tau is None else tau | jnp.uint32(1 << bit)
-        ok = pred(cand)
-        tau = jnp.where(ok, cand, jnp.uint32(0) if tau is None else tau)
+    tau = jnp.uint32(0)
+    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+        digit = sum(pred(tau | jnp.uint32(d << shift)).astype(jnp.uint32) for d in range(1, 1 << RADIX_BITS))
+        tau = tau | (digit << shift)
     return tau
 
 
@@ -363,7 +369,7 @@ def sample(
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
     arguments static; the tensors' values never cause a recompilation. The host, which knows the
     batch, switches off what no row needs: `filters=False` when no row uses top-k/top-p (skips their
-    64 masked reductions over [S, V]), `random=False` when every row is greedy and no row has a
+    16 passes of masked reductions over [S, V]), `random=False` when every row is greedy and no row has a
     logit_bias entry or a penalty (no categorical draw, and no scatters into a copy of the logits, no
     temperature or min_p pass: an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-k over [S, V], which XLA runs as a sort:

@@ -292,3 +292,21 @@ def test_program_inputs_leave_out_the_bias_and_penalty_tables_only_where_no_prog
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.float32)
     assert np.array_equal(sample(logits, greedy, filters=False, random=False).next_ids,
                           sample(logits, t, filters=False, random=False).next_ids)
+
+
+def test_largest_key_is_the_kth_largest_key_at_every_k():
+    """Radix select against a sort: the largest tau with at least k keys >= tau is the k-th largest key,
+    for keys at the ends of the uint32 range, ties and every k from 1 to V."""
+    from jengine.sampler import _largest_key
+
+    rng = np.random.default_rng(0)
+    V = 37
+    keys = rng.integers(0, 2**32, size=(4, V), dtype=np.uint64).astype(np.uint32)
+    keys[0, :3] = [0, 0xFFFFFFFF, 0xFFFFFFFF]  # both ends, a tie at the top
+    keys[1] = keys[1, 0]  # every key equal
+    keys[2, :10] = 0x80000000  # a tie in the middle
+    keys_j = jnp.asarray(keys)
+    for k in range(1, V + 1):
+        want = np.sort(keys, axis=1)[:, V - k]
+        got = _largest_key(lambda c, k=k: jnp.sum(keys_j >= c[..., None], axis=-1) >= k)
+        np.testing.assert_array_equal(np.broadcast_to(np.asarray(got), (4,)), want, err_msg=f"k={k}")
