@@ -268,19 +268,19 @@ def _ordered_keys(x: jax.Array) -> jax.Array:
     return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-RADIX_BITS = 4  # bits of the key decided per pass of `_largest_key`
+RADIX_BITS = 2  # bits of the key decided per pass of `_largest_key`
 
 
 def _largest_key(pred) -> jax.Array:
     """Radix select: the largest key tau [S] with pred(tau) true, for pred monotone (true at 0).
 
-    Eight passes of 4 bits, unrolled: each tries the 15 nonzero digits at once (pred being monotone,
-    the number of candidates it keeps is the largest one it keeps), so 8 dependent passes where one
-    bit per pass took 32. On an H200 (8B vocabulary, top-k and top-p rows; benchmarks/RESULTS.md,
-    session 24) the filter program ran 3.07 against 3.77 ms at S=256 and 0.35-0.49 against
-    0.52-0.61 ms at S=8, with the same tokens; its compile took 1-2 CPU s more.
-    Exact, and no data-dependent control flow (a `lax.cond` on a GPU reads its predicate on the host,
-    which makes launching the step wait for the previous one; see benchmarks/RESULTS.md).
+    Sixteen passes of 2 bits, unrolled: each tries the 3 nonzero digits at once (pred being monotone,
+    the number of candidates it keeps is the largest one it keeps). Exact, and no data-dependent
+    control flow (a `lax.cond` on a GPU reads its predicate on the host, which makes launching the
+    step wait for the previous one; see benchmarks/RESULTS.md). On an H200 (8B vocabulary, top-k and
+    top-p rows; RESULTS.md session 24) 2 bits a pass beat 1 and 4 in both run and compile time: the
+    filter program ran 2.36 ms at S=256 (1 bit: 3.78, 4 bits: 3.07) and compiled in 3.2-3.9 CPU s
+    (1 bit: 3.8-7.3, 4 bits: 4.5-6.3), with the same tokens.
     """
     tau = jnp.uint32(0)
     for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
@@ -369,7 +369,7 @@ def sample(
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
     arguments static; the tensors' values never cause a recompilation. The host, which knows the
     batch, switches off what no row needs: `filters=False` when no row uses top-k/top-p (skips their
-    16 passes of masked reductions over [S, V]), `random=False` when every row is greedy and no row has a
+    32 passes of masked reductions over [S, V]), `random=False` when every row is greedy and no row has a
     logit_bias entry or a penalty (no categorical draw, and no scatters into a copy of the logits, no
     temperature or min_p pass: an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-k over [S, V], which XLA runs as a sort:
