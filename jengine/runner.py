@@ -72,14 +72,25 @@ PROMPT_LOGPROBS_CHUNK = 256  # tokens whose [C, V] logits exist at once when pro
 def _prompt_logprobs(params, hidden, targets, *, cfg: ModelConfig) -> PromptLogprobs:
     """Logprobs of the next prompt token at every position `[T]`, in chunks so [T, V] never exists whole.
 
-    Its own small program, launched only for steps where a request asks for prompt logprobs.
+    Its own small program, launched only for steps where a request asks for prompt logprobs. Buckets
+    above one chunk loop over their chunks on the device (`lax.map`, a static trip count): one chunk's
+    LM head and top-k in the program, whatever T, which keeps its start-up lowering and compile small.
     """
     family = get_model_family(cfg.architecture)
-    parts = []
-    for lo in range(0, hidden.shape[0], PROMPT_LOGPROBS_CHUNK):  # unrolled: no device-side loop
-        logits = family.compute_logits(params, cfg, hidden[lo : lo + PROMPT_LOGPROBS_CHUNK])
-        parts.append(compute_logprobs(logits, jnp.maximum(targets[lo : lo + PROMPT_LOGPROBS_CHUNK], 0)))
-    return PromptLogprobs(*(jnp.concatenate(xs) for xs in zip(*parts)))
+
+    def chunk(rows):
+        h, t = rows
+        return compute_logprobs(family.compute_logits(params, cfg, h), jnp.maximum(t, 0))
+
+    num_tokens, size = hidden.shape[0], PROMPT_LOGPROBS_CHUNK
+    if num_tokens <= size:
+        return PromptLogprobs(*chunk((hidden, targets)))
+    chunks = -(-num_tokens // size)
+    pad = chunks * size - num_tokens
+    rows = (jnp.pad(hidden, ((0, pad), (0, 0))).reshape(chunks, size, hidden.shape[1]),
+            jnp.pad(targets, (0, pad)).reshape(chunks, size))
+    out = jax.lax.map(chunk, rows)
+    return PromptLogprobs(*(x.reshape(chunks * size, *x.shape[2:])[:num_tokens] for x in out))
 
 
 def _forward(params, kv_caches, ints, floats, prev_ids, logits_buffer, hidden_buffer, *, layout, cfg: ModelConfig,
@@ -321,9 +332,11 @@ class ModelRunner:
         def compile_one(lowered, opts, key):
             return lowered.compile(opts) if key is None else cache.compile(key, lowered, opts)
 
-        # The forwards are traced first (cheap) for their output shapes; the sampling and prompt-logprob
-        # programs, quick to lower but each several seconds of XLA compile (the sampler's [S, V] passes),
-        # then go to the pool first, and compile while this thread lowers the forwards (~1.3 s each).
+        # The forwards are traced first (cheap) for their output shapes. The sampling and prompt-logprob
+        # programs, quick to lower but 1-5 s of XLA compile each, then go to the pool first and compile
+        # while this thread lowers the forwards (~1-2 s each on an H200, their Mosaic GPU kernels most of
+        # it). Lowered last instead, their compiles piled up after the forwards': the engine started ~10 s
+        # later (RESULTS.md, session 25).
         started = time.perf_counter()
         forwards, logits_of, hidden_of, twinned = [], {}, {}, set()
         for bucket in buckets:

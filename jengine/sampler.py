@@ -269,24 +269,30 @@ def _ordered_keys(x: jax.Array) -> jax.Array:
 
 
 RADIX_BITS = 2  # bits of the key decided per pass of `_largest_key`
+RADIX_UNROLL = 4  # passes per iteration of its loop (see `_largest_key`)
 
 
 def _largest_key(pred) -> jax.Array:
     """Radix select: the largest key tau [S] with pred(tau) true, for pred monotone (true at 0).
 
-    Sixteen passes of 2 bits, unrolled: each tries the 3 nonzero digits at once (pred being monotone,
-    the number of candidates it keeps is the largest one it keeps). Exact, and no data-dependent
-    control flow (a `lax.cond` on a GPU reads its predicate on the host, which makes launching the
-    step wait for the previous one; see benchmarks/RESULTS.md). On an H200 (8B vocabulary, top-k and
-    top-p rows; RESULTS.md session 24) 2 bits a pass beat 1 and 4 in both run and compile time: the
-    filter program ran 2.36 ms at S=256 (1 bit: 3.78, 4 bits: 3.07) and compiled in 3.2-3.9 CPU s
-    (1 bit: 3.8-7.3, 4 bits: 4.5-6.3), with the same tokens.
+    Sixteen passes of 2 bits: each tries the 3 nonzero digits at once (pred being monotone, the number
+    of candidates it keeps is the largest one it keeps). Exact. The passes run in a `fori_loop` of 4
+    iterations of 4 passes: its trip count is static, so a GPU runs it without reading anything back
+    (unlike a `lax.cond`, whose predicate the host reads, making the launch of the step wait for the
+    previous one; RESULTS.md), and the program holds 4 passes rather than 16, so it compiles in less.
+    On an H200 (8B vocabulary, top-k and top-p rows; RESULTS.md sessions 24-25) 2 bits a pass beat 1
+    and 4 (S=256: 2.36 ms against 3.78 and 3.07), and 4 passes an iteration ran as fast as all 16
+    unrolled (S=256: 2.335 ms both; S=8: 0.23-0.26 against 0.40-0.46) in 3.1-3.5 CPU s of compile
+    against 4.4-5.5, where 1 pass an iteration cost 0.06 ms more at every S.
     """
-    tau = jnp.uint32(0)
-    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
-        digit = sum(pred(tau | jnp.uint32(d << shift)).astype(jnp.uint32) for d in range(1, 1 << RADIX_BITS))
-        tau = tau | (digit << shift)
-    return tau
+    rows = jax.eval_shape(pred, jnp.uint32(0)).shape
+
+    def one_pass(i, tau):
+        shift = jnp.uint32(32 - RADIX_BITS) - jnp.uint32(RADIX_BITS) * i.astype(jnp.uint32)
+        digit = sum(pred(tau | (jnp.uint32(d) << shift)).astype(jnp.uint32) for d in range(1, 1 << RADIX_BITS))
+        return tau | (digit << shift)
+
+    return jax.lax.fori_loop(0, 32 // RADIX_BITS, one_pass, jnp.zeros(rows, jnp.uint32), unroll=RADIX_UNROLL)
 
 
 def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -368,8 +374,8 @@ def sample(
 ) -> SamplerOutput:
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
     arguments static; the tensors' values never cause a recompilation. The host, which knows the
-    batch, switches off what no row needs: `filters=False` when no row uses top-k/top-p (skips their
-    32 passes of masked reductions over [S, V]), `random=False` when every row is greedy and no row has a
+    batch, switches off what no row needs: `filters=False` when no row uses top-k/top-p (skips their two
+    radix selects, 32 passes of masked reductions over [S, V]), `random=False` when every row is greedy and no row has a
     logit_bias entry or a penalty (no categorical draw, and no scatters into a copy of the logits, no
     temperature or min_p pass: an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-k over [S, V], which XLA runs as a sort:

@@ -101,3 +101,28 @@ def test_twin_forwards_take_turns_and_give_the_same_tokens(llm):
     assert twins["most_runs"] >= 4  # a bucket ran on both copies, twice
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert twins["tokens"] == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("num_tokens", [16, 48, 50])
+def test_prompt_logprobs_in_chunks_equal_one_pass(monkeypatch, num_tokens):
+    """Prompt logprobs loop over chunks on the device (the last one padded when T is not a multiple of
+    the chunk); every position's logprob and top ids equal those of one pass over all T rows."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jengine import runner as runner_module
+    from jengine.loader import load_model
+
+    cfg, params = load_model(os.path.join(os.path.dirname(__file__), "fixtures", "models", "llama"), dtype="float32")
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(num_tokens, cfg.hidden_size)), jnp.float32)
+    targets = jnp.asarray(rng.integers(-1, cfg.vocab_size, num_tokens), jnp.int32)  # -1: no next token
+
+    def run(chunk):
+        monkeypatch.setattr(runner_module, "PROMPT_LOGPROBS_CHUNK", chunk)
+        return runner_module._prompt_logprobs(params, hidden, targets, cfg=cfg)  # eager: traced anew each time
+
+    whole, chunked = run(num_tokens), run(16)
+    for got, want in zip(chunked, whole, strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
