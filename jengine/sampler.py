@@ -283,7 +283,8 @@ def _largest_key(pred) -> jax.Array:
     On an H200 (8B vocabulary, top-k and top-p rows; RESULTS.md sessions 24-25) 2 bits a pass beat 1
     and 4 (S=256: 2.36 ms against 3.78 and 3.07), and 4 passes an iteration ran as fast as all 16
     unrolled (S=256: 2.335 ms both; S=8: 0.23-0.26 against 0.40-0.46) in 3.1-3.5 CPU s of compile
-    against 4.4-5.5, where 1 pass an iteration cost 0.06 ms more at every S.
+    against 4.4-5.5 (S=8 with top logprobs: 5.9-6.1 against 8.8-9.0); 1 pass an iteration ran
+    0.04-0.07 ms slower at every S.
     """
     rows = jax.eval_shape(pred, jnp.uint32(0)).shape
 
