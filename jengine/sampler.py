@@ -272,8 +272,8 @@ RADIX_BITS = 2  # bits of the key decided per pass of `_largest_key`
 RADIX_UNROLL = 4  # passes per iteration of its loop (see `_largest_key`)
 
 
-def _largest_key(pred) -> jax.Array:
-    """Radix select: the largest key tau [S] with pred(tau) true, for pred monotone (true at 0).
+def _largest_key(pred, rows: int) -> jax.Array:
+    """Radix select: the largest key tau [rows] with pred(tau) true, for pred monotone (true at 0).
 
     Sixteen passes of 2 bits: each tries the 3 nonzero digits at once (pred being monotone, the number
     of candidates it keeps is the largest one it keeps). Exact. The passes run in a `fori_loop` of 4
@@ -286,14 +286,14 @@ def _largest_key(pred) -> jax.Array:
     against 4.4-5.5 (S=8 with top logprobs: 5.9-6.1 against 8.8-9.0); 1 pass an iteration ran
     0.04-0.07 ms slower at every S.
     """
-    rows = jax.eval_shape(pred, jnp.uint32(0)).shape
 
     def one_pass(i, tau):
         shift = jnp.uint32(32 - RADIX_BITS) - jnp.uint32(RADIX_BITS) * i.astype(jnp.uint32)
         digit = sum(pred(tau | (jnp.uint32(d) << shift)).astype(jnp.uint32) for d in range(1, 1 << RADIX_BITS))
         return tau | (digit << shift)
 
-    return jax.lax.fori_loop(0, 32 // RADIX_BITS, one_pass, jnp.zeros(rows, jnp.uint32), unroll=RADIX_UNROLL)
+    return jax.lax.fori_loop(0, 32 // RADIX_BITS, one_pass, jnp.zeros(rows, jnp.uint32),
+                             unroll=RADIX_UNROLL)
 
 
 def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -305,10 +305,11 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
     kept (vLLM breaks top-p ties by sort order). Rows with the filters off keep everything.
     """
     keys = _ordered_keys(logits)  # [S, V]
-    tau_k = _largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= top_k)
+    rows = logits.shape[0]
+    tau_k = _largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= top_k, rows)
     survivors = jnp.where(keys >= tau_k[:, None], logits, -jnp.inf)
     mass = jax.nn.softmax(survivors, axis=-1)  # [S, V], 0 outside the top-k
-    tau_p = _largest_key(lambda c: jnp.sum(jnp.where(keys >= c[..., None], mass, 0.0), axis=-1) >= top_p)
+    tau_p = _largest_key(lambda c: jnp.sum(jnp.where(keys >= c[..., None], mass, 0.0), axis=-1) >= top_p, rows)
     tau_p = jnp.where(top_p < 1.0, tau_p, jnp.uint32(0))
     return jnp.where(keys >= jnp.maximum(tau_k, tau_p)[:, None], survivors, -jnp.inf)
 
@@ -375,10 +376,10 @@ def sample(
 ) -> SamplerOutput:
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
     arguments static; the tensors' values never cause a recompilation. The host, which knows the
-    batch, switches off what no row needs: `filters=False` when no row uses top-k/top-p (skips their two
-    radix selects, 32 passes of masked reductions over [S, V]), `random=False` when every row is greedy and no row has a
-    logit_bias entry or a penalty (no categorical draw, and no scatters into a copy of the logits, no
-    temperature or min_p pass: an argmax and a log-sum-exp of the logits),
+    batch, switches off what no row needs: `filters=False` when no row uses top-k/top-p (skips their
+    two radix selects, 32 passes of masked reductions over [S, V]), `random=False` when every row is
+    greedy and no row has a logit_bias entry or a penalty (no categorical draw, and no scatters into a
+    copy of the logits, no temperature or min_p pass: an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-k over [S, V], which XLA runs as a sort:
     0.9 ms of a 7 ms batch-64 step on the H200; the top ids are then -1 and their logprobs -inf)."""
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):

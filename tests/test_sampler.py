@@ -308,5 +308,5 @@ def test_largest_key_is_the_kth_largest_key_at_every_k():
     keys_j = jnp.asarray(keys)
     for k in range(1, V + 1):
         want = np.sort(keys, axis=1)[:, V - k]
-        got = _largest_key(lambda c, k=k: jnp.sum(keys_j >= c[..., None], axis=-1) >= k)
+        got = _largest_key(lambda c, k=k: jnp.sum(keys_j >= c[..., None], axis=-1) >= k, 4)
         np.testing.assert_array_equal(np.broadcast_to(np.asarray(got), (4,)), want, err_msg=f"k={k}")
