@@ -38,13 +38,21 @@ def kv_cache_bytes(kv_cache_dtype: str) -> int | None:
     return jnp.dtype(name).itemsize if name else None
 
 
+def sampling_params(args, max_tokens: int):
+    """jengine's SamplingParams for `--temperature/--top-p/--top-k/--logprobs` (greedy by default)."""
+    from jengine import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs,
+                          max_tokens=max_tokens, ignore_eos=True)
+
+
 def run_jengine(args, requests) -> dict:
     from jengine import SamplingParams
 
     llm = build_llm(args)
     engine = llm.engine
     prompts = [p for p, _ in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in requests]
+    params = [sampling_params(args, o) for _, o in requests]
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine.scheduler.block_manager.reset_prefix_cache()
     steps0, preempt0 = engine.stats["steps"], engine.stats["preemptions"]
@@ -132,7 +140,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-log", default=None,
                         help="write every jengine step (tokens, sequences, buckets, seconds) to this JSON file "
                              "and print the time per step kind and bucket")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="jengine's sampling (0: greedy); transformers runs stay greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
+    parser.add_argument("--logprobs", type=int, default=None, help="top logprobs per output token (0: the sampled one)")
     args = parser.parse_args(argv)
+    try:
+        sampling_params(args, 1)
+    except ValueError as e:
+        parser.error(str(e))
     if args.backend != "jengine":
         import hf_backend
 

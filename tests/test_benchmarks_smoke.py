@@ -38,6 +38,9 @@ def test_throughput_random_and_chat_like_write_results_and_bound(tmp_path):
     assert row["backend"] == "jengine" and row["output_tokens"] == 32 and data["bound"]["bound_s"] > 0
     data = _run("throughput", [*ENGINE, "--dataset", "chat-like", "--num-prompts", "6"], tmp_path)
     assert data["results"][0]["output_tokens"] > 0
+    data = _run("throughput", [*ENGINE, "--num-prompts", "4", "--input-len", "8", "--output-len", "3",
+                               "--temperature", "0.8", "--top-p", "0.9", "--top-k", "5", "--logprobs", "2"], tmp_path)
+    assert data["results"][0]["output_tokens"] == 12 and data["args"]["top_p"] == 0.9
 
 
 def test_throughput_step_log_accounts_for_every_token(tmp_path):
@@ -95,6 +98,8 @@ def test_latency_trace_reads_the_engines_own_steps(tmp_path):
     ("latency", ["--host-events", "-1"], "must be an integer >= 0, got -1"),
     ("throughput", ["--input-len", "-1"], "must be a positive integer, got -1"),
     ("throughput", ["--peak-tb-s", "0"], "must be a number > 0, got 0"),
+    ("throughput", ["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+    ("throughput", ["--logprobs", "21"], "logprobs must be"),
     ("prefix", ["--suffix-len", "-2"], "must be an integer >= 0, got -2"),
     ("long_context", ["--long-input-lens", "100", "0"], "must be a positive integer, got 0"),
     ("serving", ["--request-rate", "-1"], "must be a number > 0, got -1"),

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.sampler import SamplingRow, build_sampling_tensors, process_logits, sample, sampler_switches
+from jengine.sampler import SamplingRow, _top_n, build_sampling_tensors, process_logits, sample, sampler_switches
 from jengine.sampling_params import SamplingParams as P
 
 V = 16
@@ -310,3 +310,27 @@ def test_largest_key_is_the_kth_largest_key_at_every_k():
         want = np.sort(keys, axis=1)[:, V - k]
         got = _largest_key(lambda c, k=k: jnp.sum(keys_j >= c[..., None], axis=-1) >= k, 4)
         np.testing.assert_array_equal(np.broadcast_to(np.asarray(got), (4,)), want, err_msg=f"k={k}")
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "few_finite"])
+def test_top_n_equals_lax_top_k_including_ties_and_minus_inf(kind):
+    """The pass-wise top-n (used for the 20 top logprobs) gives lax.top_k's values, ids and tie order."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 300)).astype(np.float32)
+    if kind == "ties":
+        x = np.round(x * 2) / 2  # a handful of distinct values, each many times
+    if kind == "few_finite":
+        x[:, 7:] = -np.inf
+        x[0] = -np.inf
+    for n in (1, 7, 20):
+        v, i = jax.jit(functools.partial(_top_n, n=n))(jnp.asarray(x))
+        rv, ri = jax.lax.top_k(jnp.asarray(x), n)
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
+        np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+
+
+def test_top_n_reports_rows_with_nans_as_padding_past_their_real_values():
+    x = np.array([[0.5, np.nan, 2.0, -1.0], [np.nan] * 4], np.float32)
+    v, i = _top_n(jnp.asarray(x), 4)
+    np.testing.assert_array_equal(np.asarray(i), [[2, 0, 3, -1], [-1, -1, -1, -1]])
+    assert np.isneginf(np.asarray(v)[0, 3]) and np.isneginf(np.asarray(v)[1]).all()
