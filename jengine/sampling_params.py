@@ -134,10 +134,12 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_number(v) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if not _is_number(self.temperature) or not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        # Finite: an infinite temperature turns masked (-inf) logits into NaN (-inf / inf), an infinite
+        # repetition penalty positive ones into 0 and negative ones into -inf.
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
