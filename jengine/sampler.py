@@ -359,7 +359,7 @@ def _top_n(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
 
     Why: XLA's GPU TopK kernel takes k <= 16; for MAX_LOGPROBS = 20 it sorts every row. On an H200 (V =
     128,256; RESULTS.md session 26) the passes took 0.74 ms at N=256 against the sort's 2.2 (N=64: 0.22
-    against 1.03; N=8: 0.085 against 0.27), each pass one fused read of x. Passes of 2, 4 and 8 at once
+    against 1.03; N=8: 0.085 against 0.27): 37 µs a pass at N=256, about one read of x. Passes of 2, 4 and 8 at once
     (a merging reducer) were no faster and compile longer. The passes stay unrolled: as a `fori_loop` of
     4 passes an iteration the sampling program with top logprobs ran 3.39 ms at S=256 against 2.66.
     """
