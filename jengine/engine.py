@@ -398,7 +398,8 @@ class LLMEngine:
                 for j, target in enumerate(targets):
                     if target >= 0:
                         group.prompt_logprobs[entry.start_position + j + 1] = _logprob_entry(
-                            target, float(plp.token_logprobs[t + j]), plp.topk_ids[t + j], plp.topk_logprobs[t + j], k)
+                            target, float(plp.token_logprobs[t + j]), plp.token_ranks[t + j], plp.topk_ids[t + j],
+                            plp.topk_logprobs[t + j], k)
             t += entry.num_new_tokens
 
     def _record_token(self, child: _Child, result, row: int, logprob: float, finished: bool) -> None:
@@ -406,7 +407,7 @@ class LLMEngine:
         token = request.output_token_ids[-1]
         child.cumulative_logprob += logprob
         if child.logprobs is not None:
-            child.logprobs.append(_logprob_entry(token, logprob, result.topk_ids[row],
+            child.logprobs.append(_logprob_entry(token, logprob, result.sampled_ranks[row], result.topk_ids[row],
                                                  result.topk_logprobs[row], request.sampling_params.logprobs))
         if finished and request.stop_reason is not None:
             child.stop_reason = request.stop_reason
@@ -465,14 +466,16 @@ def _enable_compilation_cache(path: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def _logprob_entry(token: int, logprob: float, top_ids, top_logprobs, k: int) -> dict[int, Logprob]:
-    """vLLM's per-position logprobs: the chosen token plus the top k, each with its rank (1 = most likely)."""
-    entry = {int(token): Logprob(logprob)}
-    for rank, (tid, lp) in enumerate(zip(top_ids, top_logprobs), 1):
+def _logprob_entry(token: int, logprob: float, rank: int, top_ids, top_logprobs, k: int) -> dict[int, Logprob]:
+    """vLLM's per-position logprobs: the chosen token with its rank (tokens at least as likely, counted
+    on the device over the whole vocabulary), plus the top k by rank 1..k. A chosen token among the top
+    k takes its place there as its rank, as in vLLM (the two differ only where it ties with others)."""
+    entry = {int(token): Logprob(logprob, int(rank))}
+    for place, (tid, lp) in enumerate(zip(top_ids[:k], top_logprobs[:k]), 1):
         if tid < 0:
             break
         if int(tid) == int(token):
-            entry[int(token)].rank = rank
-        if rank <= k:
-            entry.setdefault(int(tid), Logprob(float(lp), rank))
+            entry[int(token)].rank = place
+        else:
+            entry[int(tid)] = Logprob(float(lp), place)
     return entry

@@ -78,6 +78,7 @@ class SamplingRow(NamedTuple):
 class SamplerOutput(NamedTuple):
     next_ids: jax.Array  # [S] int32
     sampled_logprobs: jax.Array  # [S] f32, logprob of next_ids (raw or processed, see module doc)
+    sampled_ranks: jax.Array  # [S] int32, tokens at least as likely as next_ids (vLLM's rank; 0: top logprobs off)
     topk_ids: jax.Array  # [S, MAX_LOGPROBS] int32
     topk_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32
 
@@ -177,7 +178,8 @@ def build_sampling_tensors(
 class SamplerSwitches(NamedTuple):
     """The sampling program's static switches for one batch (see `sample`)."""
 
-    filters: bool
+    filter_k: bool
+    filter_p: bool
     random: bool
     top_logprobs: bool
 
@@ -185,13 +187,19 @@ class SamplerSwitches(NamedTuple):
 def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     """What the batch of numpy `t` needs from the sampling program: the one place that decides.
     `random` is the general program (random draws, logit_bias, min_tokens suppression, penalties); it
-    is off only for greedy batches with none of those, which are then an argmax and a log-sum-exp."""
-    filters = bool(np.any((np.asarray(t.top_k) < vocab_size) | (np.asarray(t.top_p) < 1.0)))
+    is off only for greedy batches with none of those, which are then an argmax and a log-sum-exp.
+
+    `filter_k` (the top-k select runs) comes with `filter_p` (the top-p select runs) where a row uses
+    top-k: a top-k-only batch pays the top-p select too (rows with top_p = 1 keep what top-k kept), so
+    each S has two filter programs, not three. A top-p-only batch (what OpenAI's API can ask for) skips
+    the top-k select."""
+    filter_k = bool(np.any(np.asarray(t.top_k) < vocab_size))
+    filter_p = filter_k or bool(np.any(np.asarray(t.top_p) < 1.0))
     adjust = bool(
         np.any(np.asarray(t.bias_ids) < vocab_size) or np.any(np.asarray(t.repetition_penalty) != 1.0)
         or np.any(np.asarray(t.presence_penalty) != 0.0) or np.any(np.asarray(t.frequency_penalty) != 0.0))
-    random = filters or adjust or not bool(np.all(t.greedy))
-    return SamplerSwitches(filters, random, bool(np.any(t.wants_logprobs)))
+    random = filter_p or adjust or not bool(np.all(t.greedy))
+    return SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)))
 
 
 # The tables only the general (`random`) program reads: at S=256 they are ~2.7 MB a step to pack and copy.
@@ -296,7 +304,8 @@ def _largest_key(pred, rows: int) -> jax.Array:
                              unroll=RADIX_UNROLL)
 
 
-def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *, filter_k: bool = True,
+                       filter_p: bool = True) -> jax.Array:
     """Mask tokens outside each row's top-k, then outside the top-p nucleus of the survivors.
 
     Exact for every k and p without sorting V: top-k keeps values >= the k-th largest; top-p keeps a
@@ -308,11 +317,18 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
     pattern), so each of its passes reads one [S, V] array rather than the logits' keys and the
     probabilities: on an H200 (V = 128,256, RESULTS.md session 26) the filter took 1.62 ms at S=256
     against 2.09, 0.47 against 0.65 at S=64, with the same masks. Rows with the filters off keep everything.
+
+    `filter_k=False` / `filter_p=False` leave out the top-k / top-p select (static: the caller knows that
+    no row uses it); each is 16 passes over [S, V].
     """
-    keys = _ordered_keys(logits)  # [S, V]
     rows = logits.shape[0]
-    tau_k = _largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= top_k, rows)
-    survivors = jnp.where(keys >= tau_k[:, None], logits, -jnp.inf)
+    survivors = logits
+    if filter_k:
+        keys = _ordered_keys(logits)  # [S, V]
+        tau_k = _largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= top_k, rows)
+        survivors = jnp.where(keys >= tau_k[:, None], logits, -jnp.inf)
+    if not filter_p:
+        return survivors
     mass = jax.nn.softmax(survivors, axis=-1)  # [S, V], 0 outside the top-k
     mass_keys = jax.lax.bitcast_convert_type(mass, jnp.uint32)
     tau_p = _largest_key(lambda c: jnp.sum(jnp.where(mass_keys >= c[..., None], mass, 0.0), axis=-1) >= top_p, rows)
@@ -320,12 +336,12 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
     return jnp.where(mass_keys >= tau_p[:, None], survivors, -jnp.inf)
 
 
-def process_logits(logits: jax.Array, t: SamplingTensors, *, filters: bool = True, adjust: bool = True,
-                   temper: bool = True) -> jax.Array:
+def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = True, filter_p: bool = True,
+                   adjust: bool = True, temper: bool = True) -> jax.Array:
     """logits [S, V] -> the distribution each row samples from [S, V] (masked tokens are -inf).
 
     Static choices of a caller that knows the batch (so the program has no data-dependent branch):
-    `filters=False` skips top-k/top-p (no row uses them), `adjust=False` the logit_bias table and the
+    `filter_k=False` / `filter_p=False` skip top-k / top-p (no row uses it), `adjust=False` the logit_bias table and the
     penalties (no row has any), `temper=False` temperature and min_p (every row greedy, and only the
     argmax of the result is used: neither moves a row's largest logit).
 
@@ -337,7 +353,9 @@ def process_logits(logits: jax.Array, t: SamplingTensors, *, filters: bool = Tru
         logits = _apply_penalties(_apply_logit_bias(logits, t), t)
     if temper:
         logits = _apply_min_p(logits / jnp.where(t.greedy, 1.0, t.temperature)[:, None], t.min_p)
-    return _apply_top_k_top_p(logits, t.top_k, t.top_p) if filters else logits
+    if not (filter_k or filter_p):
+        return logits
+    return _apply_top_k_top_p(logits, t.top_k, t.top_p, filter_k=filter_k, filter_p=filter_p)
 
 
 def _row_keys(t: SamplingTensors) -> jax.Array:
@@ -387,9 +405,14 @@ def _top_n(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
 
 def compute_logprobs(
     logits: jax.Array, token_ids: jax.Array, num_logprobs: int = MAX_LOGPROBS
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Logprob of `token_ids` [N] under logits [N, V], plus the top `num_logprobs` (ids, logprobs)
-    padded to MAX_LOGPROBS columns with id -1, logprob -inf (`num_logprobs=0`: no top-k at all).
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Logprob of `token_ids` [N] under logits [N, V] and its rank, plus the top `num_logprobs` (ids,
+    logprobs) padded to MAX_LOGPROBS columns with id -1, logprob -inf.
+
+    The rank is vLLM's: the number of tokens whose logprob is >= the token's own (1 = most likely; a
+    tie counts the tied tokens as ahead), whether or not the token is among the top ones. With
+    `num_logprobs=0` (no row asked for logprobs) neither the top ones nor the rank are computed: ranks
+    are 0 and the top columns padding.
 
     Also serves prompt logprobs: pass the logits of prompt positions and the next prompt tokens.
     Ids are ordered by descending logprob.
@@ -399,41 +422,46 @@ def compute_logprobs(
     n = min(num_logprobs, lp.shape[1])
     if n:
         top_lp, top_ids = _top_n(lp, n)  # [N, n]
+        ranks = jnp.sum(lp >= chosen[:, None], axis=-1, dtype=jnp.int32)  # [N]; one more read of lp
     else:
         top_lp, top_ids = jnp.zeros((lp.shape[0], 0), lp.dtype), jnp.zeros((lp.shape[0], 0), jnp.int32)
+        ranks = jnp.zeros(lp.shape[0], jnp.int32)
     if n < MAX_LOGPROBS:  # fixed width MAX_LOGPROBS: pad with id -1, logprob -inf (tiny vocabularies, or n=0)
         pad = ((0, 0), (0, MAX_LOGPROBS - n))
         top_lp = jnp.pad(top_lp, pad, constant_values=-jnp.inf)
         top_ids = jnp.pad(top_ids, pad, constant_values=-1)
-    return chosen, top_ids.astype(jnp.int32), top_lp
+    return chosen, ranks, top_ids.astype(jnp.int32), top_lp
 
 
 def sample(
     logits: jax.Array,
     t: SamplingTensors,
     *,
-    filters: bool = True,
+    filter_k: bool = True,
+    filter_p: bool = True,
     random: bool = True,
     top_logprobs: bool = True,
     logprobs_mode: str = "raw_logprobs",
 ) -> SamplerOutput:
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
     arguments static; the tensors' values never cause a recompilation. The host, which knows the
-    batch, switches off what no row needs: `filters=False` when no row uses top-k/top-p (skips their
-    two radix selects, 32 passes of masked reductions over [S, V]), `random=False` when every row is
+    batch, switches off what no row needs: `filter_k=False` when no row uses top-k, `filter_p=False` when
+    none uses top-p (each skips a radix select, 16 passes of masked reductions over [S, V];
+    `sampler_switches` keeps `filter_p` on with `filter_k`), `random=False` when every row is
     greedy and no row has a logit_bias entry or a penalty (no categorical draw, and no scatters into a
     copy of the logits, no temperature or min_p pass: an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-20 over [S, V]: 20 passes over the
-    logprobs, 0.74 ms at S=256 on an H200; the top ids are then -1 and their logprobs -inf)."""
+    logprobs, 0.74 ms at S=256 on an H200, and no rank; the top ids are then -1, their logprobs -inf
+    and the ranks 0)."""
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
     assert logits.shape[0] == t.temperature.shape[0], (logits.shape, t.temperature.shape)
-    processed = process_logits(logits, t, filters=filters, adjust=random,
+    processed = process_logits(logits, t, filter_k=filter_k, filter_p=filter_p, adjust=random,
                                temper=random or logprobs_mode == "processed_logprobs")  # [S, V]
     next_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [S]
     if random:
         drawn = jax.vmap(jax.random.categorical)(_row_keys(t), processed)  # [S]
         next_ids = jnp.where(t.greedy, next_ids, drawn).astype(jnp.int32)
     source = logits if logprobs_mode == "raw_logprobs" else processed
-    chosen, top_ids, top_lp = compute_logprobs(source, next_ids, MAX_LOGPROBS if top_logprobs else 0)
-    return SamplerOutput(next_ids, chosen, top_ids, top_lp)
+    chosen, ranks, top_ids, top_lp = compute_logprobs(source, next_ids, MAX_LOGPROBS if top_logprobs else 0)
+    return SamplerOutput(next_ids, chosen, ranks, top_ids, top_lp)

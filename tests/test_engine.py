@@ -78,13 +78,20 @@ def _assert_prompt_logprobs_match_logits(llm, prompt, k=2):
         -1, keepdims=True)
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=k), use_tqdm=False)[0]
     assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    ranks_seen = []
     for pos in range(1, len(prompt)):
         entry = out.prompt_logprobs[pos]
         # 2e-3: on a GPU, f32 matmuls may run in TF32.
-        assert entry[prompt[pos]].logprob == pytest.approx(logprobs[pos - 1, prompt[pos]], abs=2e-3)
+        own = logprobs[pos - 1, prompt[pos]]
+        assert entry[prompt[pos]].logprob == pytest.approx(own, abs=2e-3)
         top = np.argsort(-logprobs[pos - 1])[:k]
-        assert {int(t) for t in top} <= set(entry)
+        assert {int(t) for t in top} <= set(entry) and len(entry) <= k + 1
         assert [entry[int(t)].rank for t in top] == list(range(1, k + 1))
+        # The prompt token's rank over the whole vocabulary, in or out of the top k (within the tolerance).
+        rank = entry[prompt[pos]].rank
+        assert np.sum(logprobs[pos - 1] > own + 2e-3) <= rank <= np.sum(logprobs[pos - 1] >= own - 2e-3)
+        ranks_seen.append(rank)
+    assert max(ranks_seen) > 20  # some prompt tokens sit outside the 20 the device ranks by place
 
 
 def test_prompt_logprobs_match_the_models_logits_even_for_a_cached_prefix(llm):
@@ -161,6 +168,18 @@ def test_logprobs_are_returned_per_token(llm):
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and entry[token].rank == 1  # greedy picks the top token
         assert len(entry) == 3
+
+
+def test_sampled_tokens_carry_their_rank_even_outside_the_top_k(llm):
+    out = llm.generate([HF_CASES[1][0]], SamplingParams(temperature=50.0, seed=3, max_tokens=24, logprobs=1,
+                                                        ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    ranks = []
+    for token, entry in zip(out.token_ids, out.logprobs):
+        tops = [t for t, lp in entry.items() if lp.rank == 1]
+        assert len(tops) == 1 and len(entry) == (1 if tops[0] == token else 2)
+        assert entry[token].rank >= 1 and (entry[token].rank == 1) == (tops[0] == token)
+        ranks.append(entry[token].rank)
+    assert max(ranks) > 20  # a flat distribution (temperature 50) draws far outside the top 20
     assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
 
 

@@ -7,13 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.sampler import SamplingRow, _top_n, build_sampling_tensors, process_logits, sample, sampler_switches
+from jengine.sampler import (
+    SamplingRow,
+    _top_n,
+    build_sampling_tensors,
+    compute_logprobs,
+    process_logits,
+    sample,
+    sampler_switches,
+)
 from jengine.sampling_params import SamplingParams as P
 
 V = 16
 
-_sample = jax.jit(sample, static_argnames=("filters", "logprobs_mode"))
-_process = jax.jit(process_logits, static_argnames=("filters",))
+_sample = jax.jit(sample, static_argnames=("filter_k", "filter_p", "logprobs_mode"))
+_process = jax.jit(process_logits, static_argnames=("filter_k", "filter_p"))
 
 
 def tensors(rows, S=None, **kw):
@@ -94,6 +102,23 @@ def test_filters_match_reference_including_wide_nuclei_and_large_k():
         # a row's result is the same alone (no other row forcing or skipping the full sort)
         alone = _process(logits[i : i + 1], tensors([P(**p)]))
         np.testing.assert_array_equal(np.asarray(alone)[0], out[i])
+
+
+def test_the_top_p_only_program_filters_like_the_full_one_where_no_row_uses_top_k():
+    """`filter_k=False` (what `sampler_switches` picks for a batch without top-k) skips the top-k select
+    and nothing else; `filter_p=False` likewise for the top-p select on a top-k-only batch."""
+    rng = np.random.RandomState(1)
+    logits = (rng.randn(5, V) * np.array([[0.1], [3], [1], [0.3], [2]])).astype(np.float32)
+    top_p_rows = [dict(top_p=0.95), dict(top_p=0.5, temperature=0.7), dict(top_p=0.9, min_p=0.05), dict(),
+                  dict(top_p=0.2)]
+    top_k_rows = [dict(top_k=10), dict(top_k=1), dict(), dict(top_k=7, temperature=2.0), dict(top_k=V - 1)]
+    for rows, switches in ((top_p_rows, dict(filter_k=False)), (top_k_rows, dict(filter_p=False))):
+        t = tensors([P(**p) for p in rows])
+        assert tuple(sampler_switches(t, V))[:2] == ((False, True) if "filter_k" in switches else (True, True))
+        part = np.asarray(_process(logits, t, **switches))
+        np.testing.assert_array_equal(part, np.asarray(_process(logits, t)))
+        for i, p in enumerate(rows):
+            assert kept(part[i]) == ref_filter(logits[i], **p), p
 
 
 def test_penalties_exact():
@@ -228,20 +253,21 @@ def test_one_compilation_serves_every_option_mix():
 
 
 @pytest.mark.parametrize("options, expected", [
-    ([dict(temperature=0.0)], (False, False, False)),
-    ([dict(temperature=0.0), dict(temperature=0.7)], (False, True, False)),
-    ([dict(temperature=0.7, top_p=0.9)], (True, True, False)),
-    ([dict(temperature=0.7, top_k=5)], (True, True, False)),
-    ([dict(temperature=0.0, logprobs=0)], (False, False, True)),
-    ([dict(temperature=0.0), dict(temperature=0.0, logprobs=3)], (False, False, True)),
-    ([dict(temperature=0.0, min_p=0.5)], (False, False, False)),  # min_p does not move an argmax
+    ([dict(temperature=0.0)], (False, False, False, False)),
+    ([dict(temperature=0.0), dict(temperature=0.7)], (False, False, True, False)),
+    ([dict(temperature=0.7, top_p=0.9)], (False, True, True, False)),  # top-p alone skips the top-k select
+    ([dict(temperature=0.7, top_k=5)], (True, True, True, False)),  # top-k comes with the top-p select
+    ([dict(temperature=0.7, top_k=5), dict(temperature=0.7, top_p=0.5)], (True, True, True, False)),
+    ([dict(temperature=0.0, logprobs=0)], (False, False, False, True)),
+    ([dict(temperature=0.0), dict(temperature=0.0, logprobs=3)], (False, False, False, True)),
+    ([dict(temperature=0.0, min_p=0.5)], (False, False, False, False)),  # min_p does not move an argmax
     # greedy batches with logit_bias, penalties or min_tokens suppression take the general program
-    ([dict(temperature=0.0), dict(temperature=0.0, logit_bias={3: 1.0})], (False, True, False)),
-    ([dict(temperature=0.0, repetition_penalty=1.1)], (False, True, False)),
-    ([dict(temperature=0.0, presence_penalty=0.5)], (False, True, False)),
-    ([dict(temperature=0.0, frequency_penalty=-0.5)], (False, True, False)),
-    ([dict(temperature=0.0, min_tokens=3, stop_token_ids=[7])], (False, True, False)),
-    ([dict(temperature=0.0, min_tokens=3, ignore_eos=True)], (False, False, False)),
+    ([dict(temperature=0.0), dict(temperature=0.0, logit_bias={3: 1.0})], (False, False, True, False)),
+    ([dict(temperature=0.0, repetition_penalty=1.1)], (False, False, True, False)),
+    ([dict(temperature=0.0, presence_penalty=0.5)], (False, False, True, False)),
+    ([dict(temperature=0.0, frequency_penalty=-0.5)], (False, False, True, False)),
+    ([dict(temperature=0.0, min_tokens=3, stop_token_ids=[7])], (False, False, True, False)),
+    ([dict(temperature=0.0, min_tokens=3, ignore_eos=True)], (False, False, False, False)),
 ])
 def test_sampler_switches_follow_the_batch(options, expected):
     rows = [SamplingRow(P(**o), [1, 2], []) for o in options]
@@ -259,9 +285,9 @@ def test_the_greedy_program_samples_like_the_general_one(mode):
     rows = [SamplingRow(p, [1, 2], [3], i) for i, p in enumerate(
         [P(temperature=0), P(temperature=0, min_p=0.9), P(temperature=0, logprobs=3), P(temperature=0, top_k=-1)])]
     t = tensors(rows, S=5)
-    assert tuple(sampler_switches(t, V)) == (False, False, True)
-    greedy = jax.jit(functools.partial(sample, filters=False, random=False, logprobs_mode=mode))
-    general = jax.jit(functools.partial(sample, filters=False, random=True, logprobs_mode=mode))
+    assert tuple(sampler_switches(t, V)) == (False, False, False, True)
+    greedy = jax.jit(functools.partial(sample, filter_k=False, filter_p=False, random=False, logprobs_mode=mode))
+    general = jax.jit(functools.partial(sample, filter_k=False, filter_p=False, random=True, logprobs_mode=mode))
     for f, g in zip(greedy(logits, t), general(logits, t)):
         np.testing.assert_allclose(np.asarray(f), np.asarray(g), rtol=1e-6, atol=1e-6)
 
@@ -274,8 +300,7 @@ def test_greedy_rows_with_logit_bias_or_penalties_follow_them_in_the_general_pro
     t = tensors(rows)
     switches = sampler_switches(t, V)
     assert switches.random
-    out = jax.jit(functools.partial(sample, filters=switches.filters, random=switches.random,
-                                    top_logprobs=switches.top_logprobs))(logits, t)
+    out = jax.jit(functools.partial(sample, **switches._asdict()))(logits, t)
     assert np.asarray(out.next_ids).tolist() == [2, 1, 0]
 
 
@@ -283,15 +308,15 @@ def test_program_inputs_leave_out_the_bias_and_penalty_tables_only_where_no_prog
     from jengine.sampler import SamplerSwitches, program_inputs
 
     t = build_sampling_tensors([SamplingRow(P(temperature=0.0), [1, 2], [3])], 4, 32)
-    general = program_inputs(t, SamplerSwitches(filters=False, random=True, top_logprobs=False))
+    general = program_inputs(t, SamplerSwitches(filter_k=False, filter_p=False, random=True, top_logprobs=False))
     assert general is t
-    greedy = program_inputs(t, SamplerSwitches(filters=False, random=False, top_logprobs=True))
+    greedy = program_inputs(t, SamplerSwitches(filter_k=False, filter_p=False, random=False, top_logprobs=True))
     for name in ("penalty_ids", "penalty_output_counts", "bias_ids", "bias_values"):
         assert getattr(greedy, name).shape == (4, 0) and getattr(greedy, name).dtype == getattr(t, name).dtype
     assert np.array_equal(greedy.greedy, t.greedy) and np.array_equal(greedy.rng_step, t.rng_step)
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.float32)
-    assert np.array_equal(sample(logits, greedy, filters=False, random=False).next_ids,
-                          sample(logits, t, filters=False, random=False).next_ids)
+    assert np.array_equal(sample(logits, greedy, filter_k=False, filter_p=False, random=False).next_ids,
+                          sample(logits, t, filter_k=False, filter_p=False, random=False).next_ids)
 
 
 def test_largest_key_is_the_kth_largest_key_at_every_k():
@@ -334,3 +359,34 @@ def test_top_n_reports_rows_with_nans_as_padding_past_their_real_values():
     v, i = _top_n(jnp.asarray(x), 4)
     np.testing.assert_array_equal(np.asarray(i), [[2, 0, 3, -1], [-1, -1, -1, -1]])
     assert np.isneginf(np.asarray(v)[0, 3]) and np.isneginf(np.asarray(v)[1]).all()
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties"])
+def test_ranks_count_the_tokens_at_least_as_likely_inside_and_outside_the_top_20(kind):
+    """vLLM's rank of a token: how many tokens have a logprob >= its own, over the whole vocabulary."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 300)).astype(np.float32)
+    if kind == "ties":
+        x = np.round(x * 2) / 2
+    order = np.argsort(-x, axis=1, kind="stable")
+    token_ids = order[np.arange(6), [0, 3, 19, 20, 150, 299]]  # places 1, 4, 20, 21, 151, 300
+    _, ranks, top_ids, _ = jax.jit(compute_logprobs)(jnp.asarray(x), jnp.asarray(token_ids))
+    lp = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
+    want = (lp >= lp[np.arange(6), token_ids][:, None]).sum(axis=1)
+    np.testing.assert_array_equal(np.asarray(ranks), want)
+    if kind == "normal":  # no ties: the rank is the place
+        np.testing.assert_array_equal(np.asarray(ranks), [1, 4, 20, 21, 151, 300])
+        assert (np.asarray(top_ids)[:, :20] == order[:, :20]).all()
+    _, ranks, _, _ = compute_logprobs(jnp.asarray(x), jnp.asarray(token_ids), num_logprobs=0)
+    np.testing.assert_array_equal(np.asarray(ranks), 0)  # not computed without top logprobs
+
+
+def test_sampled_ranks_follow_the_drawn_token():
+    logits = np.stack([row_logits(PROBS)] * 3)
+    t = tensors([P(temperature=0), P(temperature=5.0, seed=1), P(temperature=5.0, seed=2)])
+    out = _sample(logits, t)
+    lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    ids = np.asarray(out.next_ids)
+    want = (lp >= lp[np.arange(3), ids][:, None]).sum(axis=1)
+    np.testing.assert_array_equal(np.asarray(out.sampled_ranks), want)
+    assert np.asarray(out.sampled_ranks)[0] == 1

@@ -80,6 +80,19 @@ def test_streamed_choices_equal_the_non_streamed_ones_with_n_echo_logprobs_and_s
         assert (texts[c.index], tokens[c.index], finish[c.index]) == (c.text, c.logprobs.tokens, c.finish_reason)
 
 
+def test_chat_top_logprobs_are_the_k_most_likely_even_when_the_sampled_token_is_not(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
+                                         max_tokens=12, temperature=2.0, seed=7, logprobs=True, top_logprobs=2,
+                                         extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= min(c.logprob, c.top_logprobs[1].logprob)
+               for c in content)
+    # Most draws at temperature 2 fall outside the top 2; their logprob is then below both listed ones.
+    outside = [c for c in content if c.token not in {t.token for t in c.top_logprobs}]
+    assert outside and all(c.logprob <= c.top_logprobs[1].logprob for c in outside)
+
+
 def test_chat_streaming_with_usage_and_logprobs(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi there"}], max_tokens=6, temperature=0,
               logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})

@@ -258,13 +258,16 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ chat
 
-    def _chat_logprobs(self, c: CompletionOutput, start: int, as_ids: bool) -> dict | None:
+    def _chat_logprobs(self, c: CompletionOutput, start: int, top: int, as_ids: bool) -> dict | None:
+        """OpenAI's chat logprobs: each token's, and the `top` most likely tokens at its position (the
+        sampled token among them only where its rank is within `top`)."""
         if c.logprobs is None:
             return None
         content = []
         for tid, lps in zip(c.token_ids[start:], c.logprobs[start:]):
             s = self.token_str(tid, as_ids)
-            ranked = sorted(((lp.rank, t, lp) for t, lp in lps.items() if lp.rank is not None), key=lambda x: x[0])
+            ranked = sorted(((lp.rank, t, lp) for t, lp in lps.items() if lp.rank is not None and lp.rank <= top),
+                            key=lambda x: x[0])
             tops = [(self.token_str(t, as_ids), lp.logprob) for _, t, lp in ranked]
             content.append({"token": s, "logprob": lps[tid].logprob, "bytes": list(s.encode()),
                             "top_logprobs": [{"token": ts, "logprob": lp, "bytes": list(ts.encode())}
@@ -287,7 +290,7 @@ class OpenAIServing:
         prompt = self.chat_prompt(req)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         run = await self._start([prompt], params, rid)
-        ids = req.return_tokens_as_token_ids
+        ids, top = req.return_tokens_as_token_ids, req.top_logprobs or 0
         head = {"id": rid, "created": created, "model": self.model_name}
         if req.stream:
             chunk_head = {**head, "object": "chat.completion.chunk"}
@@ -298,7 +301,7 @@ class OpenAIServing:
 
             def chunk(index, out, c, delta, k0):
                 return {**chunk_head, "choices": [{"index": index, "delta": {"content": delta} if delta else {},
-                                                   "logprobs": self._chat_logprobs(c, k0, ids),
+                                                   "logprobs": self._chat_logprobs(c, k0, top, ids),
                                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
 
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -306,6 +309,6 @@ class OpenAIServing:
                                 usage_chunk=lambda usage: {**chunk_head, "choices": [], "usage": usage})
         finals = await self._final(run, 1)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c, 0, ids), "finish_reason": c.finish_reason,
+                    "logprobs": self._chat_logprobs(c, 0, top, ids), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in finals[0].outputs]
         return {**head, "object": "chat.completion", "choices": choices, "usage": self._usage(finals)}
