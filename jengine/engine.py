@@ -304,14 +304,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = to_host(pending[0])
         if pending[1] is not None:  # this step computed prompt logprobs
-            self._record_prompt_logprobs(sched, to_host(pending[1]))
+            self._record_prompt_logprobs(sched, _as_lists(to_host(pending[1])))
         t1 = time.perf_counter()
         logged = self._unresolved_log.popleft() if self._unresolved_log else {}
         logged["done"], logged["wait_s"] = t1, t1 - t0
         finished = {r.request_id for r in self.scheduler.resolve(sched, result.next_ids.tolist())}
         sampled_logprobs = result.sampled_logprobs.tolist()
         touched: dict[str, _Group] = {}  # in batch order
-        recorded = 0
+        recorded, tops = 0, None  # tops: the step's ranks and top logprobs as lists, once a row needs them
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
             child = self._children.get(request.request_id)
@@ -319,7 +319,9 @@ class LLMEngine:
                 continue
             if request.is_finished and request.request_id not in finished:
                 continue  # ended in an earlier step; this row ran ahead of that news
-            self._record_token(child, result, i, sampled_logprobs[i], request.request_id in finished)
+            if child.logprobs is not None and tops is None:
+                tops = _as_lists(result)
+            self._record_token(child, tops, i, sampled_logprobs[i], request.request_id in finished)
             recorded += 1
             group = self._groups[child.group_id]
             if group.params.output_kind is not RequestOutputKind.FINAL_ONLY or request.is_finished:
@@ -398,17 +400,17 @@ class LLMEngine:
                 for j, target in enumerate(targets):
                     if target >= 0:
                         group.prompt_logprobs[entry.start_position + j + 1] = _logprob_entry(
-                            target, float(plp.token_logprobs[t + j]), plp.token_ranks[t + j], plp.topk_ids[t + j],
+                            target, plp.token_logprobs[t + j], plp.token_ranks[t + j], plp.topk_ids[t + j],
                             plp.topk_logprobs[t + j], k)
             t += entry.num_new_tokens
 
-    def _record_token(self, child: _Child, result, row: int, logprob: float, finished: bool) -> None:
+    def _record_token(self, child: _Child, tops, row: int, logprob: float, finished: bool) -> None:
         request = child.request
         token = request.output_token_ids[-1]
         child.cumulative_logprob += logprob
         if child.logprobs is not None:
-            child.logprobs.append(_logprob_entry(token, logprob, result.sampled_ranks[row], result.topk_ids[row],
-                                                 result.topk_logprobs[row], request.sampling_params.logprobs))
+            child.logprobs.append(_logprob_entry(token, logprob, tops.sampled_ranks[row], tops.topk_ids[row],
+                                                 tops.topk_logprobs[row], request.sampling_params.logprobs))
         if finished and request.stop_reason is not None:
             child.stop_reason = request.stop_reason
         if child.detok is not None:
@@ -466,16 +468,22 @@ def _enable_compilation_cache(path: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def _as_lists(out):
+    """A step's results (a NamedTuple of numpy arrays) as Python lists: reading them element by element
+    as numpy scalars cost twice as much (256 rows of 5 logprobs: 2.7 ms against 1.3 on a 2-core CPU)."""
+    return type(out)(*(x.tolist() for x in out))
+
+
 def _logprob_entry(token: int, logprob: float, rank: int, top_ids, top_logprobs, k: int) -> dict[int, Logprob]:
     """vLLM's per-position logprobs: the chosen token with its rank (tokens at least as likely, counted
     on the device over the whole vocabulary), plus the top k by rank 1..k. A chosen token among the top
     k takes its place there as its rank, as in vLLM (the two differ only where it ties with others)."""
-    entry = {int(token): Logprob(logprob, int(rank))}
+    entry = {token: Logprob(logprob, rank)}
     for place, (tid, lp) in enumerate(zip(top_ids[:k], top_logprobs[:k]), 1):
         if tid < 0:
             break
-        if int(tid) == int(token):
-            entry[int(token)].rank = place
+        if tid == token:
+            entry[token].rank = place
         else:
-            entry[int(tid)] = Logprob(float(lp), place)
+            entry[tid] = Logprob(lp, place)
     return entry
