@@ -470,7 +470,9 @@ def _enable_compilation_cache(path: str) -> None:
 
 def _as_lists(out):
     """A step's results (a NamedTuple of numpy arrays) as Python lists: reading them element by element
-    as numpy scalars cost twice as much (256 rows of 5 logprobs: 2.7 ms against 1.3 on a 2-core CPU)."""
+    as numpy scalars cost twice as much (256 rows of 5 logprobs: 2.7 ms against 1.3 on a 2-core CPU; in
+    the H200 throughput run with 5 logprobs the host's update time did not measurably change, RESULTS.md
+    session 27)."""
     return type(out)(*(x.tolist() for x in out))
 
 
