@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jengine.sampler import (
+    TOP_N_CHUNK,
     SamplingRow,
     _top_n,
     build_sampling_tensors,
@@ -337,9 +338,11 @@ def test_largest_key_is_the_kth_largest_key_at_every_k():
         np.testing.assert_array_equal(np.broadcast_to(np.asarray(got), (4,)), want, err_msg=f"k={k}")
 
 
+@pytest.mark.parametrize("chunk", [4, 7, TOP_N_CHUNK])  # 300 values: 75 / 43 chunks pre-select, 3 do not
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_finite"])
-def test_top_n_equals_lax_top_k_including_ties_and_minus_inf(kind):
-    """The pass-wise top-n (used for the 20 top logprobs) gives lax.top_k's values, ids and tie order."""
+def test_top_n_equals_lax_top_k_including_ties_and_minus_inf(kind, chunk):
+    """The top-n (used for the 20 top logprobs) gives lax.top_k's values, ids and tie order, with and
+    without its chunk pre-selection."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 300)).astype(np.float32)
     if kind == "ties":
@@ -348,10 +351,25 @@ def test_top_n_equals_lax_top_k_including_ties_and_minus_inf(kind):
         x[:, 7:] = -np.inf
         x[0] = -np.inf
     for n in (1, 7, 20):
-        v, i = jax.jit(functools.partial(_top_n, n=n))(jnp.asarray(x))
+        v, i = jax.jit(functools.partial(_top_n, n=n, chunk=chunk, min_rows=1))(jnp.asarray(x))
         rv, ri = jax.lax.top_k(jnp.asarray(x), n)
         np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
         np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+
+
+def test_top_n_pre_selection_handles_nans_like_the_plain_passes():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 300)).astype(np.float32)
+    x[0, ::3] = np.nan  # NaNs spread over every chunk
+    x[1] = np.nan  # nothing to pick
+    x[2, 10:] = np.nan  # fewer real values than n
+    x[3, :150] = np.nan  # whole chunks of NaNs
+    for n in (7, 20):
+        v, i = jax.jit(functools.partial(_top_n, n=n, chunk=4, min_rows=1))(jnp.asarray(x))
+        rv, ri = jax.jit(functools.partial(_top_n, n=n, chunk=300))(jnp.asarray(x))  # one chunk: the plain passes
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
+        np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+    assert (np.asarray(i)[1] == -1).all() and (np.asarray(i)[2, 10:] == -1).all()
 
 
 def test_top_n_reports_rows_with_nans_as_padding_past_their_real_values():
