@@ -366,75 +366,37 @@ def _row_keys(t: SamplingTensors) -> jax.Array:
     return jax.vmap(one)(t.rng_key_words, t.rng_stream, t.rng_step)  # [S] keys
 
 
-def _after(v, i, pv, pi):
-    """(v, i) comes after (pv, pi) in top-k order: larger values first, equal values by lower index."""
-    return (v < pv) | ((v == pv) & (i > pi))
-
-
 TOP_N_CHUNK = 128  # elements per chunk of `_top_n`'s pre-selection
-TOP_N_MIN_ROWS = 128  # fewer rows take the plain passes (see `_top_n`)
-_LAST = jnp.iinfo(jnp.int32).max  # id of what is out of the running: after every real id
 
 
-def _top_n_passes(x: jax.Array, ids: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-    """The n largest of each row of x [N, M] with ids [N, M] (any order: ties go by id), as n passes of a
-    (value, id) max over what follows the previous pass's pick. NaNs are never picked: a row with fewer
-    than n other values reports the places left as id `_LAST`. The passes stay unrolled: as a
-    `fori_loop` of 4 passes an iteration the sampling program with top logprobs ran 3.39 ms at S=256
-    against 2.66 (H200, RESULTS.md session 26)."""
-    rows = x.shape[0]
+def _top_n(x: jax.Array, n: int, chunk: int = TOP_N_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(x, n)` for x [N, V] (same values, ids and tie order: equal values by lower id),
+    with NaNs counted as -inf.
 
-    def larger(a, b):  # the first in top-k order of two (value, id) pairs
-        first = _after(b[0], b[1], a[0], a[1])
-        return jnp.where(first, a[0], b[0]), jnp.where(first, a[1], b[1])
-
-    values, indices = [], []
-    pv, pi = jnp.full((rows, 1), jnp.inf, x.dtype), jnp.full((rows, 1), -1, jnp.int32)
-    for _ in range(n):
-        open_ = _after(x, ids, pv, pi)
-        v, i = jax.lax.reduce((jnp.where(open_, x, -jnp.inf), jnp.where(open_, ids, _LAST)),
-                              (jnp.array(-jnp.inf, x.dtype), jnp.array(_LAST, jnp.int32)), larger, (1,))
-        values.append(v)
-        indices.append(i)
-        pv, pi = v[:, None], i[:, None]
-    return jnp.stack(values, axis=1), jnp.stack(indices, axis=1)
-
-
-def _top_n(x: jax.Array, n: int, chunk: int = TOP_N_CHUNK, min_rows: int = TOP_N_MIN_ROWS
-           ) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k(x, n)` for x [N, V] (same values, ids and tie order).
-
-    Why not `lax.top_k`: XLA's GPU TopK kernel takes k <= 16; for MAX_LOGPROBS = 20 it sorts every row.
-
-    How: the row is cut into chunks of `chunk` and only the n chunks with the largest maxima (ties by
-    chunk, so by lower ids) can hold the top n: a chunk ranked behind n others has behind each of
-    them a value that ranks ahead of all of its own. One pass over x takes the chunk maxima, then n
-    passes of a (value, id) max pick the chunks among the maxima [N, V / chunk], and n more pick the
-    top n among those chunks' n * chunk values, with their ids. NaNs are never picked (the maxima skip
-    them; a chunk of NaNs only is never chosen), so a row with NaNs reports the places it cannot fill
-    as padding: id -1, logprob -inf.
-
-    On an H200 (V = 128,256, n = 20; RESULTS.md session 27) the pre-selection took 0.22 ms at 256 rows
-    against 0.72 for n passes over x, and 0.18 against 0.22 at 64 rows. With the log-softmax before it,
-    though, it was slower at 64 rows (0.29 against 0.24 ms), and at 8 rows alone (0.22 against 0.085):
-    its 2n small passes cost launches, not bytes. So fewer than `min_rows` rows (or fewer than 2n
-    chunks) take the n passes over x.
+    Why not `lax.top_k(x, n)` itself: XLA's GPU TopK kernel takes k <= 16, and for MAX_LOGPROBS = 20
+    it sorts every row of V. Here the row is cut into chunks of `chunk`, and only the n chunks with
+    the largest maxima (ties by lower chunk) can hold the top n: a chunk ranked behind n others has, in
+    each of them, a value that ranks ahead of all of its own. So one pass over x takes the chunk
+    maxima [N, V / chunk], `lax.top_k` (a sort of that small array) picks n chunks, and a second one
+    picks the top n among their n * chunk values, laid out in id order so that its ties go by id.
+    On an H200 (V = 128,256, n = 20; RESULTS.md session 27): 0.113 ms at 256 rows against 0.72 for n
+    max passes over x and 2.1 for the sort; 0.049 against 0.080 at 8 rows. Rows of fewer than 2n
+    chunks (small vocabularies) take `lax.top_k` directly.
     """
     rows, V = x.shape
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
     chunks = -(-V // chunk)
-    if rows < min_rows or chunks < 2 * n:
-        values, indices = _top_n_passes(x, jax.lax.broadcasted_iota(jnp.int32, x.shape, 1), n)
-    else:
-        xc = jnp.pad(x, ((0, 0), (0, chunks * chunk - V)), constant_values=jnp.nan).reshape(rows, chunks, chunk)
-        real = ~jnp.isnan(xc)
-        maxima = jnp.where(jnp.any(real, axis=-1), jnp.max(jnp.where(real, xc, -jnp.inf), axis=-1), jnp.nan)
-        _, picked = _top_n_passes(maxima, jax.lax.broadcasted_iota(jnp.int32, maxima.shape, 1), n)  # [N, n]
-        found = picked != _LAST  # a row of NaNs only has no chunk to pick
-        cand = jnp.take_along_axis(xc, jnp.where(found, picked, 0)[..., None], axis=1)  # [N, n, chunk]
-        cand = jnp.where(found[..., None], cand, jnp.nan).reshape(rows, n * chunk)
-        ids = (jnp.where(found, picked, 0)[..., None] * chunk + jnp.arange(chunk, dtype=jnp.int32)).reshape(rows, -1)
-        values, indices = _top_n_passes(cand, ids, n)
-    return jnp.where(indices == _LAST, -jnp.inf, values), jnp.where(indices == _LAST, -1, indices)
+    if chunks < 2 * n:
+        values, ids = jax.lax.top_k(x, n)
+        return values, ids.astype(jnp.int32)
+    # Padding: -inf at ids >= V, behind every real value (n <= V, so never picked).
+    xc = jnp.pad(x, ((0, 0), (0, chunks * chunk - V)), constant_values=-jnp.inf).reshape(rows, chunks, chunk)
+    _, picked = jax.lax.top_k(jnp.max(xc, axis=-1), n)  # [N, n]
+    picked = jnp.sort(picked, axis=-1)  # the candidates in id order
+    candidates = jnp.take_along_axis(xc, picked[..., None], axis=1).reshape(rows, n * chunk)
+    values, place = jax.lax.top_k(candidates, n)
+    ids = jnp.take_along_axis(picked, place // chunk, axis=1) * chunk + place % chunk
+    return values, ids.astype(jnp.int32)
 
 
 def compute_logprobs(
@@ -484,8 +446,8 @@ def sample(
     `sampler_switches` keeps `filter_p` on with `filter_k`), `random=False` when every row is
     greedy and no row has a logit_bias entry or a penalty (no categorical draw, and no scatters into a
     copy of the logits, no temperature or min_p pass: an argmax and a log-sum-exp of the logits),
-    `top_logprobs=False` when no row asks for logprobs (no top-20 over [S, V]: 0.22 ms at S=256 on an
-    H200, 0.085 at S=8, and no rank; the top ids are then -1, their logprobs -inf
+    `top_logprobs=False` when no row asks for logprobs (no top-20 over [S, V]: 0.11 ms at S=256 on an
+    H200, 0.05 at S=8, and no rank; the top ids are then -1, their logprobs -inf
     and the ranks 0)."""
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
