@@ -114,21 +114,22 @@ def _forward(params, kv_caches, ints, floats, prev_ids, logits_buffer, hidden_bu
     return kv_caches, family.compute_logits(params, cfg, hidden[inp.logits_indices]), hidden
 
 
-# (filter_k, filter_p, random, top_logprobs) a batch can need: the filters only come with the general
-# (random) program, which greedy batches with logit_bias or penalties also take, and top-k only with
-# top-p (`sampler_switches`).
-SAMPLER_VARIANTS = tuple((*f, top) for f in ((False, False, False), (False, False, True), (False, True, True),
-                                             (True, True, True)) for top in (False, True))
+# (filter_k, filter_p, random, top_logprobs, small_k) a batch can need: the filters only come with the
+# general (random) program, which greedy batches with logit_bias or penalties also take, and top-k only
+# with top-p, with any k or every k <= SMALL_TOP_K (`sampler_switches`).
+_FILTERS = ((False, False, False, False), (False, False, True, False), (False, True, True, False),
+            (True, True, True, False), (True, True, True, True))  # (filter_k, filter_p, random, small_k)
+SAMPLER_VARIANTS = tuple((k, p, r, top, small) for k, p, r, small in _FILTERS for top in (False, True))
 
 
 def _sample(logits, ints, floats, ids_buffer, *, layout, filter_k: bool, filter_p: bool, random: bool,
-            top_logprobs: bool):
-    """Sampling as its own program per (S, filter_k, filter_p, random, top_logprobs): the host knows which
+            top_logprobs: bool, small_k: bool):
+    """Sampling as its own program per (S, filter_k, filter_p, random, top_logprobs, small_k): the host knows which
     of top-k and top-p, the general program (random draws, logit_bias, penalties) and top logprobs the batch
     needs, so no data-dependent branch is needed. Also writes the ids into the first rows of the
     donated `ids_buffer [max_seqs]`, which the next step's forward reads as its `prev_ids`."""
     out = sample(logits, unpack(ints, floats, layout), filter_k=filter_k, filter_p=filter_p, random=random,
-                 top_logprobs=top_logprobs)
+                 top_logprobs=top_logprobs, small_k=small_k)
     # First: jit gives a donated input to the first output of its shape, and `out.next_ids` has this
     # one's when S is the largest bucket.
     return jax.lax.dynamic_update_slice(ids_buffer, out.next_ids, (0,)), out
@@ -196,7 +197,8 @@ class ModelRunner:
         # be one JAX loaded from its persistent cache, and ExecutableCache would store it without its
         # kernels (see `stores_loaded_executables`).
         self._sample = jax.jit(functools.partial(_sample), donate_argnums=(3,),
-                               static_argnames=("layout", "filter_k", "filter_p", "random", "top_logprobs"), **smp)
+                               static_argnames=("layout", "filter_k", "filter_p", "random", "top_logprobs", "small_k"),
+                               **smp)
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}  # filled by warmup(), in parallel
         self.warmup_lowering_seconds = 0.0  # warm-up's time tracing and lowering (one thread), for reports
@@ -290,9 +292,9 @@ class ModelRunner:
         if kind == "forward":
             return functools.partial(self._forward, layout=key[0])
         if kind == "sample":
-            layout, filter_k, filter_p, random, top = key
+            layout, filter_k, filter_p, random, top, small_k = key
             return functools.partial(self._sample, layout=layout, filter_k=filter_k, filter_p=filter_p, random=random,
-                                     top_logprobs=top)
+                                     top_logprobs=top, small_k=small_k)
         return self._prompt_logprobs
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
@@ -359,7 +361,7 @@ class ModelRunner:
                     s_ints, s_floats, s_layout = self._dummy_sampling(s, variant)
                     traced = self._sample.trace(logits, s_ints, s_floats, self.prev_ids, layout=s_layout,
                                                 filter_k=variant[0], filter_p=variant[1], random=variant[2],
-                                                top_logprobs=variant[3])
+                                                top_logprobs=variant[3], small_k=variant[4])
                     yield ("sample", s_layout, *variant), traced, None
 
         def prompt_logprobs():
@@ -395,7 +397,7 @@ class ModelRunner:
         """Whether warm-up loads a second copy of this bucket's forward (decode-sized buckets on GPUs)."""
         return self.graphs and bucket[0] <= self.max_seqs
 
-    def _dummy_sampling(self, num_seqs: int, variant: tuple[bool, bool, bool, bool]):
+    def _dummy_sampling(self, num_seqs: int, variant: tuple[bool, ...]):
         """Packed sampling inputs `(ints, floats, layout)` of a padding-only batch for a sampler variant."""
         tensors = build_sampling_tensors([], num_seqs, self.cfg.vocab_size)
         return pack(program_inputs(tensors, SamplerSwitches(*variant)))

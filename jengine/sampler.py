@@ -182,6 +182,7 @@ class SamplerSwitches(NamedTuple):
     filter_p: bool
     random: bool
     top_logprobs: bool
+    small_k: bool = False  # with filter_k: every top-k row has k <= SMALL_TOP_K (the cheaper select)
 
 
 def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
@@ -192,14 +193,17 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     `filter_k` (the top-k select runs) comes with `filter_p` (the top-p select runs) where a row uses
     top-k: a top-k-only batch pays the top-p select too (rows with top_p = 1 keep what top-k kept), so
     each S has two filter programs, not three. A top-p-only batch (what OpenAI's API can ask for) skips
-    the top-k select."""
-    filter_k = bool(np.any(np.asarray(t.top_k) < vocab_size))
+    the top-k select. `small_k`: every top-k row's k is at most SMALL_TOP_K, so the top-k select can
+    look at the SMALL_TOP_K chunks with the largest maxima only (`_kth_largest_key`)."""
+    k = np.asarray(t.top_k)
+    filter_k = bool(np.any(k < vocab_size))
+    small_k = filter_k and bool(np.all((k <= SMALL_TOP_K) | (k >= vocab_size)))
     filter_p = filter_k or bool(np.any(np.asarray(t.top_p) < 1.0))
     adjust = bool(
         np.any(np.asarray(t.bias_ids) < vocab_size) or np.any(np.asarray(t.repetition_penalty) != 1.0)
         or np.any(np.asarray(t.presence_penalty) != 0.0) or np.any(np.asarray(t.frequency_penalty) != 0.0))
     random = filter_p or adjust or not bool(np.all(t.greedy))
-    return SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)))
+    return SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)), small_k)
 
 
 # The tables only the general (`random`) program reads: at S=256 they are ~2.7 MB a step to pack and copy.
@@ -304,8 +308,38 @@ def _largest_key(pred, rows: int) -> jax.Array:
                              unroll=RADIX_UNROLL)
 
 
+SMALL_TOP_K = 64  # batches whose top-k rows all have k <= this take `_kth_largest_key`
+TOP_N_CHUNK = 128  # elements per chunk of `_top_n`'s and `_kth_largest_key`'s pre-selection
+
+
+def _signed(keys: jax.Array) -> jax.Array:
+    """int32 values that sort like the uint32 `keys` (so `lax.top_k` can take them)."""
+    return jax.lax.bitcast_convert_type(keys ^ jnp.uint32(0x80000000), jnp.int32)
+
+
+def _kth_largest_key(keys: jax.Array, top_k: jax.Array, bound: int, chunk: int = TOP_N_CHUNK) -> jax.Array:
+    """The top_k-th largest of each row's keys [S, V] (0 where top_k > bound: the row keeps everything),
+    for top_k <= bound, exactly: the `bound` largest keys lie in the `bound` chunks with the largest
+    maxima (see `_top_n`), so two `lax.top_k`s over small arrays find it without 16 passes over
+    [S, V]. Rows of fewer than 2 * bound chunks take `lax.top_k` of the whole row."""
+    rows, V = keys.shape
+    x = _signed(keys)
+    chunks = -(-V // chunk)
+    bound = min(bound, V)
+    if chunks >= 2 * bound:
+        # Padding: the smallest int32, behind every real key (bound <= V, so never among the largest).
+        xc = jnp.pad(x, ((0, 0), (0, chunks * chunk - V)), constant_values=jnp.iinfo(jnp.int32).min)
+        xc = xc.reshape(rows, chunks, chunk)
+        _, picked = jax.lax.top_k(jnp.max(xc, axis=-1), bound)  # [S, bound]
+        x = jnp.take_along_axis(xc, picked[..., None], axis=1).reshape(rows, bound * chunk)
+    largest, _ = jax.lax.top_k(x, bound)  # [S, bound], descending
+    kth = jnp.take_along_axis(largest, jnp.clip(top_k - 1, 0, bound - 1)[:, None], axis=1)[:, 0]
+    kth = jax.lax.bitcast_convert_type(kth, jnp.uint32) ^ jnp.uint32(0x80000000)
+    return jnp.where(top_k <= bound, kth, jnp.uint32(0))
+
+
 def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *, filter_k: bool = True,
-                       filter_p: bool = True) -> jax.Array:
+                       filter_p: bool = True, small_k: bool = False) -> jax.Array:
     """Mask tokens outside each row's top-k, then outside the top-p nucleus of the survivors.
 
     Exact for every k and p without sorting V: top-k keeps values >= the k-th largest; top-p keeps a
@@ -319,13 +353,17 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
     against 2.09, 0.47 against 0.65 at S=64, with the same masks. Rows with the filters off keep everything.
 
     `filter_k=False` / `filter_p=False` leave out the top-k / top-p select (static: the caller knows that
-    no row uses it); each is 16 passes over [S, V].
+    no row uses it); each is 16 passes over [S, V]. `small_k=True` (every row's k <= SMALL_TOP_K or off)
+    finds the k-th largest key from the chunks that can hold it instead (`_kth_largest_key`).
     """
     rows = logits.shape[0]
     survivors = logits
     if filter_k:
         keys = _ordered_keys(logits)  # [S, V]
-        tau_k = _largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= top_k, rows)
+        if small_k:
+            tau_k = _kth_largest_key(keys, top_k, SMALL_TOP_K)
+        else:
+            tau_k = _largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= top_k, rows)
         survivors = jnp.where(keys >= tau_k[:, None], logits, -jnp.inf)
     if not filter_p:
         return survivors
@@ -337,7 +375,7 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
 
 
 def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = True, filter_p: bool = True,
-                   adjust: bool = True, temper: bool = True) -> jax.Array:
+                   small_k: bool = False, adjust: bool = True, temper: bool = True) -> jax.Array:
     """logits [S, V] -> the distribution each row samples from [S, V] (masked tokens are -inf).
 
     Static choices of a caller that knows the batch (so the program has no data-dependent branch):
@@ -355,7 +393,7 @@ def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = Tr
         logits = _apply_min_p(logits / jnp.where(t.greedy, 1.0, t.temperature)[:, None], t.min_p)
     if not (filter_k or filter_p):
         return logits
-    return _apply_top_k_top_p(logits, t.top_k, t.top_p, filter_k=filter_k, filter_p=filter_p)
+    return _apply_top_k_top_p(logits, t.top_k, t.top_p, filter_k=filter_k, filter_p=filter_p, small_k=small_k)
 
 
 def _row_keys(t: SamplingTensors) -> jax.Array:
@@ -364,9 +402,6 @@ def _row_keys(t: SamplingTensors) -> jax.Array:
         return jax.random.fold_in(jax.random.fold_in(key, stream), step)
 
     return jax.vmap(one)(t.rng_key_words, t.rng_stream, t.rng_step)  # [S] keys
-
-
-TOP_N_CHUNK = 128  # elements per chunk of `_top_n`'s pre-selection
 
 
 def _top_n(x: jax.Array, n: int, chunk: int = TOP_N_CHUNK) -> tuple[jax.Array, jax.Array]:
@@ -437,6 +472,7 @@ def sample(
     filter_p: bool = True,
     random: bool = True,
     top_logprobs: bool = True,
+    small_k: bool = False,
     logprobs_mode: str = "raw_logprobs",
 ) -> SamplerOutput:
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
@@ -452,7 +488,7 @@ def sample(
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
     assert logits.shape[0] == t.temperature.shape[0], (logits.shape, t.temperature.shape)
-    processed = process_logits(logits, t, filter_k=filter_k, filter_p=filter_p, adjust=random,
+    processed = process_logits(logits, t, filter_k=filter_k, filter_p=filter_p, small_k=small_k, adjust=random,
                                temper=random or logprobs_mode == "processed_logprobs")  # [S, V]
     next_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [S]
     if random:

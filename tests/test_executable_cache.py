@@ -58,7 +58,7 @@ def cold(tmp_path_factory):
 def test_first_start_stores_one_file_per_program(cold):
     first, cache_dir = cold
     assert first["hits"] == 0
-    assert first["lowerings"] == first["programs"] == len(_entries(cache_dir)) == 10  # 1 forward, 8 samplers, 1
+    assert first["lowerings"] == first["programs"] == len(_entries(cache_dir)) == 12  # 1 forward, 10 samplers, 1
 
 
 def test_second_start_loads_every_program_without_lowering(cold, tmp_path):

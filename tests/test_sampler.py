@@ -122,6 +122,31 @@ def test_the_top_p_only_program_filters_like_the_full_one_where_no_row_uses_top_
             assert kept(part[i]) == ref_filter(logits[i], **p), p
 
 
+@pytest.mark.parametrize("kind", ["normal", "ties", "few_finite"])
+def test_the_small_k_select_keeps_what_the_radix_select_keeps(kind):
+    """`small_k` (every row's k <= SMALL_TOP_K) finds the k-th largest key from the chunks that can hold
+    it: the same masks as the 16-pass radix select, on ties and -inf too, with and without the chunks."""
+    from jengine.sampler import SMALL_TOP_K, _apply_top_k_top_p, _kth_largest_key, _largest_key, _ordered_keys
+
+    rng = np.random.default_rng(6)
+    logits = rng.standard_normal((6, 9000)).astype(np.float32)  # 71 chunks of 128 (< 2 * 64): 16 below
+    if kind == "ties":
+        logits = np.round(logits * 2) / 2
+    if kind == "few_finite":
+        logits[:, 30:] = -np.inf
+    top_k = np.array([1, 7, 50, SMALL_TOP_K, 9000, 3], np.int32)  # 9000 = V: off
+    keys = _ordered_keys(jnp.asarray(logits))
+    radix = _largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= jnp.asarray(top_k), 6)
+    radix = np.where(top_k < 9000, np.asarray(radix), 0)
+    for chunk in (16, 10**6):  # 563 chunks (pre-selected), one chunk (the whole row)
+        got = jax.jit(functools.partial(_kth_largest_key, bound=SMALL_TOP_K, chunk=chunk))(keys, jnp.asarray(top_k))
+        np.testing.assert_array_equal(np.asarray(got), radix)
+    top_p = np.array([1.0, 0.9, 0.5, 1.0, 0.8, 1.0], np.float32)
+    full = _apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p))
+    small = _apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p), small_k=True)
+    np.testing.assert_array_equal(np.asarray(small), np.asarray(full))
+
+
 def test_penalties_exact():
     logits = np.array([[2.0, -1.0, 3.0, -2.0, 0.5] + [0.0] * (V - 5)], np.float32)
     p = P(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, temperature=0)
@@ -254,21 +279,22 @@ def test_one_compilation_serves_every_option_mix():
 
 
 @pytest.mark.parametrize("options, expected", [
-    ([dict(temperature=0.0)], (False, False, False, False)),
-    ([dict(temperature=0.0), dict(temperature=0.7)], (False, False, True, False)),
-    ([dict(temperature=0.7, top_p=0.9)], (False, True, True, False)),  # top-p alone skips the top-k select
-    ([dict(temperature=0.7, top_k=5)], (True, True, True, False)),  # top-k comes with the top-p select
-    ([dict(temperature=0.7, top_k=5), dict(temperature=0.7, top_p=0.5)], (True, True, True, False)),
-    ([dict(temperature=0.0, logprobs=0)], (False, False, False, True)),
-    ([dict(temperature=0.0), dict(temperature=0.0, logprobs=3)], (False, False, False, True)),
-    ([dict(temperature=0.0, min_p=0.5)], (False, False, False, False)),  # min_p does not move an argmax
+    ([dict(temperature=0.0)], (False, False, False, False, False)),
+    ([dict(temperature=0.0), dict(temperature=0.7)], (False, False, True, False, False)),
+    ([dict(temperature=0.7, top_p=0.9)], (False, True, True, False, False)),  # top-p alone skips the top-k select
+    ([dict(temperature=0.7, top_k=5)], (True, True, True, False, True)),  # top-k comes with the top-p select
+    ([dict(temperature=0.7, top_k=5), dict(temperature=0.7, top_p=0.5)], (True, True, True, False, True)),
+    ([dict(temperature=0.7, top_k=64), dict(temperature=0.7, top_k=65)], (True, True, True, False, False)),  # k > 64
+    ([dict(temperature=0.0, logprobs=0)], (False, False, False, True, False)),
+    ([dict(temperature=0.0), dict(temperature=0.0, logprobs=3)], (False, False, False, True, False)),
+    ([dict(temperature=0.0, min_p=0.5)], (False, False, False, False, False)),  # min_p does not move an argmax
     # greedy batches with logit_bias, penalties or min_tokens suppression take the general program
-    ([dict(temperature=0.0), dict(temperature=0.0, logit_bias={3: 1.0})], (False, False, True, False)),
-    ([dict(temperature=0.0, repetition_penalty=1.1)], (False, False, True, False)),
-    ([dict(temperature=0.0, presence_penalty=0.5)], (False, False, True, False)),
-    ([dict(temperature=0.0, frequency_penalty=-0.5)], (False, False, True, False)),
-    ([dict(temperature=0.0, min_tokens=3, stop_token_ids=[7])], (False, False, True, False)),
-    ([dict(temperature=0.0, min_tokens=3, ignore_eos=True)], (False, False, False, False)),
+    ([dict(temperature=0.0), dict(temperature=0.0, logit_bias={3: 1.0})], (False, False, True, False, False)),
+    ([dict(temperature=0.0, repetition_penalty=1.1)], (False, False, True, False, False)),
+    ([dict(temperature=0.0, presence_penalty=0.5)], (False, False, True, False, False)),
+    ([dict(temperature=0.0, frequency_penalty=-0.5)], (False, False, True, False, False)),
+    ([dict(temperature=0.0, min_tokens=3, stop_token_ids=[7])], (False, False, True, False, False)),
+    ([dict(temperature=0.0, min_tokens=3, ignore_eos=True)], (False, False, False, False, False)),
 ])
 def test_sampler_switches_follow_the_batch(options, expected):
     rows = [SamplingRow(P(**o), [1, 2], []) for o in options]
@@ -286,7 +312,7 @@ def test_the_greedy_program_samples_like_the_general_one(mode):
     rows = [SamplingRow(p, [1, 2], [3], i) for i, p in enumerate(
         [P(temperature=0), P(temperature=0, min_p=0.9), P(temperature=0, logprobs=3), P(temperature=0, top_k=-1)])]
     t = tensors(rows, S=5)
-    assert tuple(sampler_switches(t, V)) == (False, False, False, True)
+    assert tuple(sampler_switches(t, V)) == (False, False, False, True, False)
     greedy = jax.jit(functools.partial(sample, filter_k=False, filter_p=False, random=False, logprobs_mode=mode))
     general = jax.jit(functools.partial(sample, filter_k=False, filter_p=False, random=True, logprobs_mode=mode))
     for f, g in zip(greedy(logits, t), general(logits, t)):
