@@ -479,7 +479,9 @@ def sample(
     arguments static; the tensors' values never cause a recompilation. The host, which knows the
     batch, switches off what no row needs: `filter_k=False` when no row uses top-k, `filter_p=False` when
     none uses top-p (each skips a radix select, 16 passes of masked reductions over [S, V];
-    `sampler_switches` keeps `filter_p` on with `filter_k`), `random=False` when every row is
+    `sampler_switches` keeps `filter_p` on with `filter_k`; `small_k=True` when every top-k row has k <=
+    SMALL_TOP_K: the k-th largest from the chunks that can hold it, 0.23 ms at S=256 on an H200 against
+    0.64), `random=False` when every row is
     greedy and no row has a logit_bias entry or a penalty (no categorical draw, and no scatters into a
     copy of the logits, no temperature or min_p pass: an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-20 over [S, V]: 0.11 ms at S=256 on an
