@@ -22,7 +22,7 @@ from jengine.sampling_params import SamplingParams as P
 V = 16
 
 _sample = jax.jit(sample, static_argnames=("filter_k", "filter_p", "logprobs_mode"))
-_process = jax.jit(process_logits, static_argnames=("filter_k", "filter_p"))
+_process = jax.jit(process_logits, static_argnames=("filter_k", "filter_p", "small_k"))
 
 
 def tensors(rows, S=None, **kw):
@@ -79,9 +79,10 @@ PROBS = [0.5, 0.25, 0.15, 0.1]
         (dict(min_p=0.25, temperature=2.0), {0, 1, 2, 3}),  # temperature before min_p flattens
     ],
 )
-def test_filter_masks_exact_on_small_logits(params, expected):
+@pytest.mark.parametrize("small_k", [False, True])  # the radix select, and the k <= 64 one (V < 64 here)
+def test_filter_masks_exact_on_small_logits(params, expected, small_k):
     logits = np.stack([row_logits(PROBS)] * 2)
-    out = _process(logits, tensors([P(**params), P()]))
+    out = _process(logits, tensors([P(**params), P()]), small_k=small_k)
     assert kept(out[0]) == expected
     assert kept(out[1]) == set(range(V))  # the other row is untouched
 
