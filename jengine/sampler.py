@@ -33,11 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, SamplingParams
+from jengine.selection import kth_largest_key, largest_key, ordered_keys, top_n
 
 # Unique tokens (prompt + output) per row that penalties see; see `_apply_penalties` for why a window.
 DEFAULT_PENALTY_WINDOW = 1024
 # logit_bias entries plus min_tokens-suppressed stop ids per row.
 DEFAULT_MAX_BIAS_ENTRIES = MAX_LOGIT_BIAS_ENTRIES + 32
+# Batches whose top-k rows all have k <= this find the k-th largest by `kth_largest_key`.
+SMALL_TOP_K = 64
 
 _U32 = 0xFFFFFFFF
 
@@ -194,7 +197,7 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     top-k: a top-k-only batch pays the top-p select too (rows with top_p = 1 keep what top-k kept), so
     each S has two filter programs, not three. A top-p-only batch (what OpenAI's API can ask for) skips
     the top-k select. `small_k`: every top-k row's k is at most SMALL_TOP_K, so the top-k select can
-    look at the SMALL_TOP_K chunks with the largest maxima only (`_kth_largest_key`)."""
+    look at the SMALL_TOP_K chunks with the largest maxima only (`kth_largest_key`)."""
     k = np.asarray(t.top_k)
     filter_k = bool(np.any(k < vocab_size))
     small_k = filter_k and bool(np.all((k <= SMALL_TOP_K) | (k >= vocab_size)))
@@ -274,70 +277,6 @@ def _apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(ratio < min_p[:, None], -jnp.inf, logits)
 
 
-def _ordered_keys(x: jax.Array) -> jax.Array:
-    """uint32 keys that sort like the f32 values `x` (flip negatives, set the sign bit of positives)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(0x80000000))
-
-
-RADIX_BITS = 2  # bits of the key decided per pass of `_largest_key`
-RADIX_UNROLL = 4  # passes per iteration of its loop (see `_largest_key`)
-
-
-def _largest_key(pred, rows: int) -> jax.Array:
-    """Radix select: the largest key tau [rows] with pred(tau) true, for pred monotone (true at 0).
-
-    Sixteen passes of 2 bits: each tries the 3 nonzero digits at once (pred being monotone, the number
-    of candidates it keeps is the largest one it keeps). Exact. The passes run in a `fori_loop` of 4
-    iterations of 4 passes: its trip count is static, so a GPU runs it without reading anything back
-    (unlike a `lax.cond`, whose predicate the host reads, making the launch of the step wait for the
-    previous one; RESULTS.md), and the program holds 4 passes rather than 16, so it compiles in less.
-    On an H200 (8B vocabulary, top-k and top-p rows; RESULTS.md sessions 24-25) 2 bits a pass beat 1
-    and 4 (S=256: 2.36 ms against 3.78 and 3.07), and 4 passes an iteration ran as fast as all 16
-    unrolled (S=256: 2.335 ms both; S=8: 0.23-0.26 against 0.40-0.46) in 3.1-3.5 CPU s of compile
-    against 4.4-5.5 (S=8 with top logprobs: 5.9-6.1 against 8.8-9.0); 1 pass an iteration ran
-    0.04-0.07 ms slower at every S.
-    """
-
-    def one_pass(i, tau):
-        shift = jnp.uint32(32 - RADIX_BITS) - jnp.uint32(RADIX_BITS) * i.astype(jnp.uint32)
-        digit = sum(pred(tau | (jnp.uint32(d) << shift)).astype(jnp.uint32) for d in range(1, 1 << RADIX_BITS))
-        return tau | (digit << shift)
-
-    return jax.lax.fori_loop(0, 32 // RADIX_BITS, one_pass, jnp.zeros(rows, jnp.uint32),
-                             unroll=RADIX_UNROLL)
-
-
-SMALL_TOP_K = 64  # batches whose top-k rows all have k <= this take `_kth_largest_key`
-TOP_N_CHUNK = 128  # elements per chunk of `_top_n`'s and `_kth_largest_key`'s pre-selection
-
-
-def _signed(keys: jax.Array) -> jax.Array:
-    """int32 values that sort like the uint32 `keys` (so `lax.top_k` can take them)."""
-    return jax.lax.bitcast_convert_type(keys ^ jnp.uint32(0x80000000), jnp.int32)
-
-
-def _kth_largest_key(keys: jax.Array, top_k: jax.Array, bound: int, chunk: int = TOP_N_CHUNK) -> jax.Array:
-    """The top_k-th largest of each row's keys [S, V] (0 where top_k > bound: the row keeps everything),
-    for top_k <= bound, exactly: the `bound` largest keys lie in the `bound` chunks with the largest
-    maxima (see `_top_n`), so two `lax.top_k`s over small arrays find it without 16 passes over
-    [S, V]. Rows of fewer than 2 * bound chunks take `lax.top_k` of the whole row."""
-    rows, V = keys.shape
-    x = _signed(keys)
-    chunks = -(-V // chunk)
-    bound = min(bound, V)
-    if chunks >= 2 * bound:
-        # Padding: the smallest int32, behind every real key (bound <= V, so never among the largest).
-        xc = jnp.pad(x, ((0, 0), (0, chunks * chunk - V)), constant_values=jnp.iinfo(jnp.int32).min)
-        xc = xc.reshape(rows, chunks, chunk)
-        _, picked = jax.lax.top_k(jnp.max(xc, axis=-1), bound)  # [S, bound]
-        x = jnp.take_along_axis(xc, picked[..., None], axis=1).reshape(rows, bound * chunk)
-    largest, _ = jax.lax.top_k(x, bound)  # [S, bound], descending
-    kth = jnp.take_along_axis(largest, jnp.clip(top_k - 1, 0, bound - 1)[:, None], axis=1)[:, 0]
-    kth = jax.lax.bitcast_convert_type(kth, jnp.uint32) ^ jnp.uint32(0x80000000)
-    return jnp.where(top_k <= bound, kth, jnp.uint32(0))
-
-
 def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *, filter_k: bool = True,
                        filter_p: bool = True, small_k: bool = False) -> jax.Array:
     """Mask tokens outside each row's top-k, then outside the top-p nucleus of the survivors.
@@ -354,22 +293,22 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
 
     `filter_k=False` / `filter_p=False` leave out the top-k / top-p select (static: the caller knows that
     no row uses it); each is 16 passes over [S, V]. `small_k=True` (every row's k <= SMALL_TOP_K or off)
-    finds the k-th largest key from the chunks that can hold it instead (`_kth_largest_key`).
+    finds the k-th largest key from the chunks that can hold it instead (`kth_largest_key`).
     """
     rows = logits.shape[0]
     survivors = logits
     if filter_k:
-        keys = _ordered_keys(logits)  # [S, V]
+        keys = ordered_keys(logits)  # [S, V]
         if small_k:
-            tau_k = _kth_largest_key(keys, top_k, SMALL_TOP_K)
+            tau_k = kth_largest_key(keys, top_k, SMALL_TOP_K)
         else:
-            tau_k = _largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= top_k, rows)
+            tau_k = largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= top_k, rows)
         survivors = jnp.where(keys >= tau_k[:, None], logits, -jnp.inf)
     if not filter_p:
         return survivors
     mass = jax.nn.softmax(survivors, axis=-1)  # [S, V], 0 outside the top-k
     mass_keys = jax.lax.bitcast_convert_type(mass, jnp.uint32)
-    tau_p = _largest_key(lambda c: jnp.sum(jnp.where(mass_keys >= c[..., None], mass, 0.0), axis=-1) >= top_p, rows)
+    tau_p = largest_key(lambda c: jnp.sum(jnp.where(mass_keys >= c[..., None], mass, 0.0), axis=-1) >= top_p, rows)
     tau_p = jnp.where(top_p < 1.0, tau_p, jnp.uint32(0))
     return jnp.where(mass_keys >= tau_p[:, None], survivors, -jnp.inf)
 
@@ -391,8 +330,6 @@ def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = Tr
         logits = _apply_penalties(_apply_logit_bias(logits, t), t)
     if temper:
         logits = _apply_min_p(logits / jnp.where(t.greedy, 1.0, t.temperature)[:, None], t.min_p)
-    if not (filter_k or filter_p):
-        return logits
     return _apply_top_k_top_p(logits, t.top_k, t.top_p, filter_k=filter_k, filter_p=filter_p, small_k=small_k)
 
 
@@ -402,36 +339,6 @@ def _row_keys(t: SamplingTensors) -> jax.Array:
         return jax.random.fold_in(jax.random.fold_in(key, stream), step)
 
     return jax.vmap(one)(t.rng_key_words, t.rng_stream, t.rng_step)  # [S] keys
-
-
-def _top_n(x: jax.Array, n: int, chunk: int = TOP_N_CHUNK) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k(x, n)` for x [N, V] (same values, ids and tie order: equal values by lower id),
-    with NaNs counted as -inf.
-
-    Why not `lax.top_k(x, n)` itself: XLA's GPU TopK kernel takes k <= 16, and for MAX_LOGPROBS = 20
-    it sorts every row of V. Here the row is cut into chunks of `chunk`, and only the n chunks with
-    the largest maxima (ties by lower chunk) can hold the top n: a chunk ranked behind n others has, in
-    each of them, a value that ranks ahead of all of its own. So one pass over x takes the chunk
-    maxima [N, V / chunk], `lax.top_k` (a sort of that small array) picks n chunks, and a second one
-    picks the top n among their n * chunk values, laid out in id order so that its ties go by id.
-    On an H200 (V = 128,256, n = 20; RESULTS.md session 27): 0.113 ms at 256 rows against 0.72 for n
-    max passes over x and 2.1 for the sort; 0.049 against 0.080 at 8 rows. Rows of fewer than 2n
-    chunks (small vocabularies) take `lax.top_k` directly.
-    """
-    rows, V = x.shape
-    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
-    chunks = -(-V // chunk)
-    if chunks < 2 * n:
-        values, ids = jax.lax.top_k(x, n)
-        return values, ids.astype(jnp.int32)
-    # Padding: -inf at ids >= V, behind every real value (n <= V, so never picked).
-    xc = jnp.pad(x, ((0, 0), (0, chunks * chunk - V)), constant_values=-jnp.inf).reshape(rows, chunks, chunk)
-    _, picked = jax.lax.top_k(jnp.max(xc, axis=-1), n)  # [N, n]
-    picked = jnp.sort(picked, axis=-1)  # the candidates in id order
-    candidates = jnp.take_along_axis(xc, picked[..., None], axis=1).reshape(rows, n * chunk)
-    values, place = jax.lax.top_k(candidates, n)
-    ids = jnp.take_along_axis(picked, place // chunk, axis=1) * chunk + place % chunk
-    return values, ids.astype(jnp.int32)
 
 
 def compute_logprobs(
@@ -452,7 +359,7 @@ def compute_logprobs(
     chosen = jnp.take_along_axis(lp, token_ids[:, None].astype(jnp.int32), axis=1)[:, 0]  # [N]
     n = min(num_logprobs, lp.shape[1])
     if n:
-        top_lp, top_ids = _top_n(lp, n)  # [N, n]
+        top_lp, top_ids = top_n(lp, n)  # [N, n]
         ranks = jnp.sum(lp >= chosen[:, None], axis=-1, dtype=jnp.int32)  # [N]; one more read of lp
     else:
         top_lp, top_ids = jnp.zeros((lp.shape[0], 0), lp.dtype), jnp.zeros((lp.shape[0], 0), jnp.int32)

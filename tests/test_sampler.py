@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 
 from jengine.sampler import (
-    TOP_N_CHUNK,
     SamplingRow,
-    _top_n,
     build_sampling_tensors,
     compute_logprobs,
     process_logits,
@@ -18,6 +16,7 @@ from jengine.sampler import (
     sampler_switches,
 )
 from jengine.sampling_params import SamplingParams as P
+from jengine.selection import TOP_N_CHUNK, kth_largest_key, largest_key, ordered_keys, top_n
 
 V = 16
 
@@ -127,7 +126,7 @@ def test_the_top_p_only_program_filters_like_the_full_one_where_no_row_uses_top_
 def test_the_small_k_select_keeps_what_the_radix_select_keeps(kind):
     """`small_k` (every row's k <= SMALL_TOP_K) finds the k-th largest key from the chunks that can hold
     it: the same masks as the 16-pass radix select, on ties and -inf too, with and without the chunks."""
-    from jengine.sampler import SMALL_TOP_K, _apply_top_k_top_p, _kth_largest_key, _largest_key, _ordered_keys
+    from jengine.sampler import SMALL_TOP_K, _apply_top_k_top_p
 
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 9000)).astype(np.float32)  # 71 chunks of 128 (< 2 * 64): 16 below
@@ -136,11 +135,11 @@ def test_the_small_k_select_keeps_what_the_radix_select_keeps(kind):
     if kind == "few_finite":
         logits[:, 30:] = -np.inf
     top_k = np.array([1, 7, 50, SMALL_TOP_K, 9000, 3], np.int32)  # 9000 = V: off
-    keys = _ordered_keys(jnp.asarray(logits))
-    radix = _largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= jnp.asarray(top_k), 6)
+    keys = ordered_keys(jnp.asarray(logits))
+    radix = largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= jnp.asarray(top_k), 6)
     radix = np.where(top_k < 9000, np.asarray(radix), 0)
     for chunk in (16, 10**6):  # 563 chunks (pre-selected), one chunk (the whole row)
-        got = jax.jit(functools.partial(_kth_largest_key, bound=SMALL_TOP_K, chunk=chunk))(keys, jnp.asarray(top_k))
+        got = jax.jit(functools.partial(kth_largest_key, bound=SMALL_TOP_K, chunk=chunk))(keys, jnp.asarray(top_k))
         np.testing.assert_array_equal(np.asarray(got), radix)
     top_p = np.array([1.0, 0.9, 0.5, 1.0, 0.8, 1.0], np.float32)
     full = _apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p))
@@ -350,7 +349,6 @@ def test_program_inputs_leave_out_the_bias_and_penalty_tables_only_where_no_prog
 def test_largest_key_is_the_kth_largest_key_at_every_k():
     """Radix select against a sort: the largest tau with at least k keys >= tau is the k-th largest key,
     for keys at the ends of the uint32 range, ties and every k from 1 to V."""
-    from jengine.sampler import _largest_key
 
     rng = np.random.default_rng(0)
     V = 37
@@ -361,7 +359,7 @@ def test_largest_key_is_the_kth_largest_key_at_every_k():
     keys_j = jnp.asarray(keys)
     for k in range(1, V + 1):
         want = np.sort(keys, axis=1)[:, V - k]
-        got = _largest_key(lambda c, k=k: jnp.sum(keys_j >= c[..., None], axis=-1) >= k, 4)
+        got = largest_key(lambda c, k=k: jnp.sum(keys_j >= c[..., None], axis=-1) >= k, 4)
         np.testing.assert_array_equal(np.broadcast_to(np.asarray(got), (4,)), want, err_msg=f"k={k}")
 
 
@@ -378,7 +376,7 @@ def test_top_n_equals_lax_top_k_including_ties_and_minus_inf(kind, chunk):
         x[:, 7:] = -np.inf
         x[0] = -np.inf
     for n in (1, 7, 20):
-        v, i = jax.jit(functools.partial(_top_n, n=n, chunk=chunk))(jnp.asarray(x))
+        v, i = jax.jit(functools.partial(top_n, n=n, chunk=chunk))(jnp.asarray(x))
         rv, ri = jax.lax.top_k(jnp.asarray(x), n)
         np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
         np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
@@ -393,7 +391,7 @@ def test_top_n_counts_nans_as_minus_inf(chunk):
     x[2, 10:] = np.nan  # fewer real values than n
     x[3, :150] = np.nan  # whole chunks of NaNs
     for n in (7, 20):
-        v, i = jax.jit(functools.partial(_top_n, n=n, chunk=chunk))(jnp.asarray(x))
+        v, i = jax.jit(functools.partial(top_n, n=n, chunk=chunk))(jnp.asarray(x))
         rv, ri = jax.lax.top_k(jnp.asarray(np.where(np.isnan(x), -np.inf, x)), n)
         np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
         np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
