@@ -12,6 +12,7 @@ with the fraction of it achieved. `--dataset chat-like` draws seeded ShareGPT-li
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import jax.numpy as jnp
@@ -39,11 +40,12 @@ def kv_cache_bytes(kv_cache_dtype: str) -> int | None:
 
 
 def sampling_params(args, max_tokens: int):
-    """jengine's SamplingParams for `--temperature/--top-p/--top-k/--logprobs` (greedy by default)."""
+    """jengine's SamplingParams for `--temperature/--top-p/--top-k/--logprobs/--flat-logprobs` (greedy by
+    default)."""
     from jengine import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs,
-                          max_tokens=max_tokens, ignore_eos=True)
+                          flat_logprobs=args.flat_logprobs, max_tokens=max_tokens, ignore_eos=True)
 
 
 def run_jengine(args, requests) -> dict:
@@ -58,16 +60,43 @@ def run_jengine(args, requests) -> dict:
     steps0, preempt0 = engine.stats["steps"], engine.stats["preemptions"]
     timings0 = dict(engine.timings)
     engine.step_log = [] if args.step_log else None
+    collector = CollectorTime()
+    gc.callbacks.append(collector)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        elapsed = time.perf_counter() - start
+        gc.callbacks.remove(collector)
     if args.step_log:
         summarize_steps(engine.step_log, start, args.step_log)
     steps = engine.stats["steps"] - steps0
     host = {k: 1e3 * (v - timings0.get(k, 0.0)) / max(steps, 1) for k, v in engine.timings.items()}
     print("host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
+    print(f"garbage collector: {collector.seconds:.3f} s in {collector.count} collections "
+          f"({collector.full} full, {collector.full_seconds:.3f} s)")
     return {"backend": "jengine", "elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "steps": steps, "preemptions": engine.stats["preemptions"] - preempt0, "host_ms_per_step": host}
+            "steps": steps, "preemptions": engine.stats["preemptions"] - preempt0, "host_ms_per_step": host,
+            "gc": {"seconds": collector.seconds, "collections": collector.count, "full": collector.full,
+                   "full_seconds": collector.full_seconds}}
+
+
+class CollectorTime:
+    """A `gc.callbacks` entry adding up the time Python's garbage collector runs (all, and full ones)."""
+
+    def __init__(self):
+        self.seconds, self.count, self.full, self.full_seconds, self._t0 = 0.0, 0, 0, 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        took = time.perf_counter() - self._t0
+        self.seconds += took
+        self.count += 1
+        if info["generation"] == 2:
+            self.full += 1
+            self.full_seconds += took
 
 
 def step_kind(entry: dict) -> str:
@@ -145,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
     parser.add_argument("--logprobs", type=int, default=None, help="top logprobs per output token (0: the sampled one)")
+    parser.add_argument("--flat-logprobs", action="store_true",
+                        help="outputs carry logprobs as FlatLogprobs (few Python objects) instead of dicts")
     args = parser.parse_args(argv)
     try:
         sampling_params(args, 1)

@@ -94,6 +94,8 @@ _LAZY = {
     "RequestOutputKind": "jengine.sampling_params",
     "RequestOutput": "jengine.outputs",
     "CompletionOutput": "jengine.outputs",
+    "Logprob": "jengine.logprobs",
+    "FlatLogprobs": "jengine.logprobs",
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -23,7 +23,8 @@ from jengine.engine_config import EngineConfig
 from jengine.executable_cache import ExecutableCache
 from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
-from jengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jengine.logprobs import FlatLogprobs, step_entries
+from jengine.outputs import CompletionOutput, RequestOutput
 from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, to_host
 from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES, SamplingRow, build_sampling_tensors
@@ -44,8 +45,9 @@ class _Child:
     group_id: str
     detok: IncrementalDetokenizer | None
     rng_counter: int
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: FlatLogprobs | None
     cumulative_logprob: float = 0.0
+    logprob_dicts: list | None = None  # `logprobs` read as dicts so far (outputs without flat_logprobs)
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # output tokens already returned (DELTA outputs)
 
@@ -57,7 +59,8 @@ class _Group:
     prompt_token_ids: list[int]
     params: SamplingParams
     children: list[_Child]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position; [0] is None
+    prompt_logprobs: FlatLogprobs | None = None  # per prompt position; [0] has no entries
+    prompt_logprobs_out: list | FlatLogprobs | None = None  # as outputs carry them, once complete
     sent_any: bool = False  # an output was returned (DELTA: prompt logprobs go with the first only)
 
 
@@ -214,12 +217,12 @@ class LLMEngine:
             self.scheduler.add_request(request)  # validates lengths; raises before anything is kept
             detok = IncrementalDetokenizer(self.tokenizer, child_params, ids) if self.tokenizer else None
             children.append(_Child(request, request_id, detok, self._rng_counter,
-                                   [] if params.logprobs is not None else None))
+                                   FlatLogprobs() if params.logprobs is not None else None))
             self._rng_counter += 1
         self._children.update((c.request.request_id, c) for c in children)
         group = _Group(request_id, text, ids, params, children)
         if params.prompt_logprobs is not None:
-            group.prompt_logprobs = [None] * len(ids)
+            group.prompt_logprobs = FlatLogprobs([None])
             children[0].request.skip_prefix_cache = True  # every prompt position must be computed
         self._groups[request_id] = group
         self.stats["prompt_tokens"] += len(ids) * params.n
@@ -303,15 +306,16 @@ class LLMEngine:
         """Read a launched step's results, apply them to the requests, and build their outputs."""
         t0 = time.perf_counter()
         result = to_host(pending[0])
-        if pending[1] is not None:  # this step computed prompt logprobs
-            self._record_prompt_logprobs(sched, _as_lists(to_host(pending[1])))
+        plp = None if pending[1] is None else to_host(pending[1])  # this step computed prompt logprobs
         t1 = time.perf_counter()
         logged = self._unresolved_log.popleft() if self._unresolved_log else {}
         logged["done"], logged["wait_s"] = t1, t1 - t0
+        if plp is not None:
+            self._record_prompt_logprobs(sched, plp)
         finished = {r.request_id for r in self.scheduler.resolve(sched, result.next_ids.tolist())}
         sampled_logprobs = result.sampled_logprobs.tolist()
         touched: dict[str, _Group] = {}  # in batch order
-        recorded, tops = 0, None  # tops: the step's ranks and top logprobs as lists, once a row needs them
+        recorded, with_logprobs = 0, []  # with_logprobs: (row, child) of the rows that want logprobs
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
             child = self._children.get(request.request_id)
@@ -319,13 +323,15 @@ class LLMEngine:
                 continue
             if request.is_finished and request.request_id not in finished:
                 continue  # ended in an earlier step; this row ran ahead of that news
-            if child.logprobs is not None and tops is None:
-                tops = _as_lists(result)
-            self._record_token(child, tops, i, sampled_logprobs[i], request.request_id in finished)
+            if child.logprobs is not None:
+                with_logprobs.append((i, child))
+            self._record_token(child, sampled_logprobs[i], request.request_id in finished)
             recorded += 1
             group = self._groups[child.group_id]
             if group.params.output_kind is not RequestOutputKind.FINAL_ONLY or request.is_finished:
                 touched[child.group_id] = group
+        if with_logprobs:
+            _record_logprobs(with_logprobs, result)
         self.stats["generation_tokens"] += recorded
         # A FINAL_ONLY group is touched only by a child that just ended (its last token, or a stop string).
         outputs = [self._make_output(gid) for gid, group in touched.items()
@@ -391,26 +397,34 @@ class LLMEngine:
         return [prompt[p + 1] if p + 1 < len(prompt) else -1 for p in range(start, end)]
 
     def _record_prompt_logprobs(self, sched: SchedulerOutput, plp) -> None:
-        t = 0
+        """Add the step's prompt positions to their groups' prompt logprobs. Positions already there (a
+        prompt computed again after preemption) are skipped: a prompt's chunks run in order, so the new
+        positions of a request always start where its list ends."""
+        rows, targets, ks, spans, t = [], [], [], [], 0
         for entry in sched.scheduled:
-            targets = self._prompt_targets(entry)
-            if targets is not None:
+            chunk = self._prompt_targets(entry)
+            if chunk is not None:
                 group = self._groups[self._children[entry.request.request_id].group_id]
-                k = group.params.prompt_logprobs
-                for j, target in enumerate(targets):
-                    if target >= 0:
-                        group.prompt_logprobs[entry.start_position + j + 1] = _logprob_entry(
-                            target, plp.token_logprobs[t + j], plp.token_ranks[t + j], plp.topk_ids[t + j],
-                            plp.topk_logprobs[t + j], k)
+                have = len(group.prompt_logprobs) - (entry.start_position + 1)  # of the chunk, already there
+                assert have >= 0, "prompt logprobs arrive in position order"
+                new = [(t + j, target) for j, target in enumerate(chunk) if j >= have and target >= 0]
+                spans.append((group.prompt_logprobs, len(rows), len(new)))
+                rows += [row for row, _ in new]
+                targets += [target for _, target in new]
+                ks += [group.params.prompt_logprobs] * len(new)
             t += entry.num_new_tokens
+        if not rows:
+            return
+        entries = step_entries(targets, plp.token_logprobs[rows], plp.token_ranks[rows], plp.topk_ids[rows],
+                               plp.topk_logprobs[rows], ks)
+        for into, first, count in spans:
+            for j in range(first, first + count):
+                entries.add_to(into, j)
 
-    def _record_token(self, child: _Child, tops, row: int, logprob: float, finished: bool) -> None:
+    def _record_token(self, child: _Child, logprob: float, finished: bool) -> None:
         request = child.request
         token = request.output_token_ids[-1]
         child.cumulative_logprob += logprob
-        if child.logprobs is not None:
-            child.logprobs.append(_logprob_entry(token, logprob, tops.sampled_ranks[row], tops.topk_ids[row],
-                                                 tops.topk_logprobs[row], request.sampling_params.logprobs))
         if finished and request.stop_reason is not None:
             child.stop_reason = request.stop_reason
         if child.detok is not None:
@@ -434,11 +448,11 @@ class LLMEngine:
             outputs.append(CompletionOutput(
                 index=i, text=text, token_ids=request.output_token_ids[first:],
                 cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
-                logprobs=None if child.logprobs is None else child.logprobs[first:],
+                logprobs=_output_logprobs(child, group.params, first),
                 finish_reason=request.finish_reason, stop_reason=child.stop_reason))
         finished = all(o.finish_reason is not None for o in outputs)
         metrics = group.children[0].request.metrics
-        prompt_logprobs = None if delta and group.sent_any else group.prompt_logprobs
+        prompt_logprobs = None if delta and group.sent_any else _output_prompt_logprobs(group)
         group.sent_any = True
         out = RequestOutput(request_id=group_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
                             outputs=outputs, finished=finished, metrics=metrics, prompt_logprobs=prompt_logprobs)
@@ -447,6 +461,35 @@ class LLMEngine:
             for child in group.children:
                 self._children.pop(child.request.request_id, None)
         return out
+
+
+def _output_logprobs(child: _Child, params: SamplingParams, first: int):
+    """A child's logprobs from token `first` on, as outputs carry them: a FlatLogprobs slice, or a list of
+    dicts built for the positions it covers (CUMULATIVE outputs keep the dicts built for earlier outputs;
+    DELTA and FINAL_ONLY ones build each position once and keep nothing)."""
+    if child.logprobs is None:
+        return None
+    if params.flat_logprobs:
+        return child.logprobs[first:]
+    if params.output_kind is not RequestOutputKind.CUMULATIVE:
+        return child.logprobs.dicts(first)
+    if child.logprob_dicts is None:
+        child.logprob_dicts = []
+    child.logprob_dicts += child.logprobs.dicts(len(child.logprob_dicts))
+    return child.logprob_dicts[first:]
+
+
+def _output_prompt_logprobs(group: _Group):
+    """The group's prompt logprobs as outputs carry them, one entry per prompt position; built once when
+    complete (positions not computed yet, as after a preemption of the child computing them, read None)."""
+    if group.prompt_logprobs_out is not None or group.prompt_logprobs is None:
+        return group.prompt_logprobs_out
+    plp, n = group.prompt_logprobs, len(group.prompt_token_ids)
+    out = plp[:] if group.params.flat_logprobs else plp.dicts()
+    out.extend([None] * (n - len(out)))
+    if len(plp) == n:
+        group.prompt_logprobs_out = out
+    return out
 
 
 def _freeze_heap() -> None:
@@ -468,24 +511,11 @@ def _enable_compilation_cache(path: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def _as_lists(out):
-    """A step's results (a NamedTuple of numpy arrays) as Python lists: reading them element by element
-    as numpy scalars cost twice as much (256 rows of 5 logprobs: 2.7 ms against 1.3 on a 2-core CPU; in
-    the H200 throughput run with 5 logprobs the host's update time did not measurably change, RESULTS.md
-    session 27)."""
-    return type(out)(*(x.tolist() for x in out))
-
-
-def _logprob_entry(token: int, logprob: float, rank: int, top_ids, top_logprobs, k: int) -> dict[int, Logprob]:
-    """vLLM's per-position logprobs: the chosen token with its rank (tokens at least as likely, counted
-    on the device over the whole vocabulary), plus the top k by rank 1..k. A chosen token among the top
-    k takes its place there as its rank, as in vLLM (the two differ only where it ties with others)."""
-    entry = {token: Logprob(logprob, rank)}
-    for place, (tid, lp) in enumerate(zip(top_ids[:k], top_logprobs[:k]), 1):
-        if tid < 0:
-            break
-        if tid == token:
-            entry[token].rank = place
-        else:
-            entry[tid] = Logprob(lp, place)
-    return entry
+def _record_logprobs(rows: list[tuple[int, _Child]], result) -> None:
+    """Add each row's sampled token, with its rank and the row's top logprobs, to its child's logprobs."""
+    index = [i for i, _ in rows]
+    entries = step_entries([c.request.output_token_ids[-1] for _, c in rows], result.sampled_logprobs[index],
+                           result.sampled_ranks[index], result.topk_ids[index], result.topk_logprobs[index],
+                           [c.request.sampling_params.logprobs for _, c in rows])
+    for j, (_, child) in enumerate(rows):
+        entries.add_to(child.logprobs, j)

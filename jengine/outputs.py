@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jengine.logprobs import FlatLogprobs, Logprob
 from jengine.request import RequestMetrics
 
-
-@dataclasses.dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+__all__ = ["CompletionOutput", "FlatLogprobs", "Logprob", "RequestOutput"]
 
 
 @dataclasses.dataclass
@@ -22,7 +18,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None  # per generated token: {token id: Logprob}
+    logprobs: list[dict[int, Logprob]] | FlatLogprobs | None  # per generated token: {token id: Logprob}
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -38,4 +34,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | FlatLogprobs | None = None

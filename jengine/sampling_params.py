@@ -90,6 +90,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    flat_logprobs: bool = False  # outputs carry logprobs as FlatLogprobs (few objects) instead of dicts
 
     def __post_init__(self) -> None:
         self._normalize()

@@ -210,6 +210,57 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
     _assert_no_leak(llm)
 
 
+def _outputs_by_kind(engine, prompt, **params):
+    outs = {kind: [] for kind in RequestOutputKind}
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, prompt, SamplingParams(output_kind=kind, **params))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[RequestOutputKind[out.request_id]].append(out)
+    return outs
+
+
+def test_flat_logprobs_equal_the_dict_logprobs_in_every_output_kind(llm):
+    from jengine.logprobs import FlatLogprobs
+
+    params = dict(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    prompt = HF_CASES[2][0]
+    dicts = _outputs_by_kind(llm.engine, prompt, **params)
+    flat = _outputs_by_kind(llm.engine, prompt, flat_logprobs=True, **params)
+    for kind in RequestOutputKind:
+        assert len(flat[kind]) == len(dicts[kind]) > 0
+        for f, d in zip(flat[kind], dicts[kind]):
+            assert isinstance(f.outputs[0].logprobs, FlatLogprobs) and isinstance(d.outputs[0].logprobs, list)
+            assert f.outputs[0].token_ids == d.outputs[0].token_ids
+            assert f.outputs[0].logprobs == d.outputs[0].logprobs
+            assert len(f.outputs[0].logprobs) == len(f.outputs[0].token_ids) == len(d.outputs[0].logprobs)
+            if d.prompt_logprobs is None:
+                assert f.prompt_logprobs is None
+            else:
+                assert isinstance(f.prompt_logprobs, FlatLogprobs) and isinstance(d.prompt_logprobs, list)
+                assert f.prompt_logprobs == d.prompt_logprobs and len(d.prompt_logprobs) == len(prompt)
+    _assert_no_leak(llm)
+
+
+def test_prompt_logprobs_are_recorded_once_when_a_preempted_prompt_is_computed_again(llm):
+    base = HF_CASES[3][0]
+    prompts = [base[i : i + 32] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1, prompt_logprobs=2)
+    roomy = llm.generate(prompts, params, use_tqdm=False)
+    tight = _make_llm(num_gpu_blocks_override=7, preemption_mode="recompute", max_num_batched_tokens=128,
+                      token_buckets=(8, 128))
+    preempted = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.stats["preemptions"] > 0
+    for a, b in zip(preempted, roomy):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        assert a.prompt_logprobs[0] is None
+        for x, y in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs, b.prompt_logprobs[1:] + b.outputs[0].logprobs):
+            assert list(x) == list(y) and [v.rank for v in x.values()] == [v.rank for v in y.values()]
+            assert [v.logprob for v in x.values()] == pytest.approx([v.logprob for v in y.values()], abs=1e-4)
+    _assert_no_leak(tight)
+
+
 def test_over_long_prompt_and_bad_params_raise_clear_errors(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[1] * 200], GREEDY16, use_tqdm=False)

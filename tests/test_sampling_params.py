@@ -45,6 +45,7 @@ def test_defaults_follow_vllm():
         (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias may have at most 300 entries, got 301"),
         (dict(logit_bias={5: float("nan")}), r"logit_bias\[5\] must be a number, got nan"),
         (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"),
+        (dict(flat_logprobs=1), "flat_logprobs must be True or False, got 1"),
         (dict(skip_special_tokens=None), "skip_special_tokens must be True or False, got None"),
         (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be True or False, got 1"),
         (dict(detokenize="yes"), "detokenize must be True or False"),

@@ -105,12 +105,13 @@ class OpenAIServing:
 
     def _params(self, req) -> SamplingParams:
         """The request's sampling params. A response that is not streamed reads only the finished output,
-        so the engine is asked for that one alone; a streamed one gets what is new each step (`_accumulate`)."""
+        so the engine is asked for that one alone; a streamed one gets what is new each step (`_accumulate`).
+        Logprobs come flat: the positions' dicts are built only while a response is written, and dropped."""
         params = req.to_sampling_params()
         check_fits_engine(params, self.model_config.vocab_size, self.model_config.eos_token_ids,
                           self.engine_config.max_num_seqs)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        return params.clone(output_kind=kind)
+        return params.clone(output_kind=kind, flat_logprobs=True)
 
     def token_str(self, tid: int, as_id: bool = False) -> str:
         if as_id:
