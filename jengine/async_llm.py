@@ -106,8 +106,7 @@ class AsyncLLM:
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request until it finishes (of the params' `output_kind`: cumulative by
-        default). Outputs that queued up while the caller was busy come as one: the newest cumulative
-        output, or the DELTA outputs added together.
+        default; when several cumulative outputs are waiting, only the newest is yielded).
 
         Errors the request causes (ValueError from validation) and engine failures are raised here.
         Leaving the iteration early (break, cancellation, client gone) aborts the request.
@@ -120,22 +119,14 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, prompt, params, priority))
         finished = False
-        delta = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE) is RequestOutputKind.DELTA
-        pending = None  # an item taken from the queue while coalescing, not yet handled
+        coalesce = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE) is RequestOutputKind.CUMULATIVE
         try:
             while True:
-                item, pending = (pending, None) if pending is not None else (await self._next(stream), None)
-                # Outputs queued while the consumer was busy go out as one: the newest of cumulative
-                # ones, the sum of DELTA ones (a busy server then writes fewer, larger chunks).
-                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
-                    queued = stream.queue.get_nowait()
-                    if not isinstance(queued, RequestOutput):
-                        pending = queued
-                        break
-                    if delta:
-                        item.add(queued)
-                    else:
-                        item = queued
+                item = await self._next(stream)
+                # Cumulative outputs: when several are queued, only the newest matters.
+                while (coalesce and not stream.queue.empty() and isinstance(item, RequestOutput)
+                       and not item.finished):
+                    item = stream.queue.get_nowait()
                 if item is _ABORTED:
                     finished = True
                     return
@@ -198,7 +189,12 @@ class AsyncLLM:
                 self._handle_commands(block=idle)
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
-                    self._deliver(outputs)
+                    for out in outputs:
+                        stream = self._streams.get(out.request_id)
+                        if stream is not None:
+                            stream.put(_snapshot(out))
+                            if out.finished:
+                                self._streams.pop(out.request_id, None)
                     self._log_stats(outputs)
                 else:
                     self._log_stats([])
@@ -213,19 +209,6 @@ class AsyncLLM:
                     close()
                 except Exception:
                     logger.exception("closing the engine failed")
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up of each consumer loop per step, not one
-        per output (at 256 streams a step, 256 cross-thread calls each wrote to the loop's wake-up pipe)."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                batches.setdefault(stream.loop, []).append((stream.queue, _snapshot(out)))
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
-        for loop, batch in batches.items():
-            _call_soon(loop, _put_all, batch)
 
     def _log_stats(self, outputs: list[RequestOutput]) -> None:
         if self.stat_logger is None:
@@ -302,11 +285,6 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> Non
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the consumer's loop is closed; nobody is listening any more
         pass
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

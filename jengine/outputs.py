@@ -35,20 +35,3 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | FlatLogprobs | None = None
-
-    def add(self, delta: RequestOutput) -> None:
-        """Extend this output, in place, by the request's next DELTA output (which carries only what is
-        new): texts, token ids and logprobs are appended; finish state, cumulative logprobs and metrics
-        are the newer ones; prompt logprobs come with the first output and stay."""
-        for c in delta.outputs:
-            into = self.outputs[c.index]
-            into.text += c.text
-            into.token_ids.extend(c.token_ids)
-            if c.logprobs is not None:
-                into.logprobs.extend(c.logprobs)
-            into.cumulative_logprob, into.finish_reason, into.stop_reason = (c.cumulative_logprob, c.finish_reason,
-                                                                             c.stop_reason)
-        if self.prompt_logprobs is None:
-            self.prompt_logprobs = delta.prompt_logprobs
-        self.finished, self.metrics = delta.finished, delta.metrics
-

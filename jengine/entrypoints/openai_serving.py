@@ -25,10 +25,18 @@ _DONE = object()
 def _accumulate(previous: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
     """A streamed request's cumulative output: `previous` (the stream's own) extended in place by the
     engine's next DELTA output. The engine sends only what is new, so a long stream costs it O(new) per
-    step."""
+    step; the prompt logprobs come with the first output and stay."""
     if previous is None:
         return delta
-    previous.add(delta)
+    for c in delta.outputs:
+        into = previous.outputs[c.index]
+        into.text += c.text
+        into.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            into.logprobs.extend(c.logprobs)
+        into.cumulative_logprob, into.finish_reason, into.stop_reason = (c.cumulative_logprob, c.finish_reason,
+                                                                         c.stop_reason)
+    previous.finished, previous.metrics = delta.finished, delta.metrics
     return previous
 
 
