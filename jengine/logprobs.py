@@ -67,6 +67,12 @@ class FlatLogprobs(Sequence):
         starts = self.starts
         return [self._entry(starts[i], starts[i + 1]) for i in range(first, len(starts) - 1)]
 
+    def position(self, i: int) -> tuple[list[int], list[float], list[int | None]]:
+        """Position i's entries as lists (token ids, logprobs, ranks), without building a dict; empty
+        lists for a position without entries."""
+        a, b = self.starts[i], self.starts[i + 1]
+        return self.token_ids[a:b], self.logprobs[a:b], self.ranks[a:b]
+
     def _entry(self, a: int, b: int) -> dict[int, Logprob] | None:
         if a == b:
             return None
@@ -93,7 +99,8 @@ class FlatLogprobs(Sequence):
         if self.decoded_tokens is not None or out.decoded_tokens is not None:
             out._decoded().extend(self._decoded()[a:b])
         base = out.starts[-1] - a
-        out.starts.extend(s + base for s in self.starts[first + 1:stop + 1])
+        starts = self.starts[first + 1:stop + 1]
+        out.starts += starts if base == 0 else [s + base for s in starts]
         out.token_ids += self.token_ids[a:b]
         out.logprobs += self.logprobs[a:b]
         out.ranks += self.ranks[a:b]

@@ -44,6 +44,7 @@ def test_flat_logprobs_read_as_the_dicts_they_were_built_from():
     grown.append_position([4, 5], [-0.25, -1.5], [1, 2])
     assert grown[-1] == {4: Logprob(-0.25, 1), 5: Logprob(-1.5, 2)}
     assert pickle.loads(pickle.dumps(flat)) == DICTS  # outputs cross process boundaries (data parallel)
+    assert flat.position(2) == ([7, 1, 2], [-2.0, -0.1, -1.0], [4, 1, 2]) and flat.position(0) == ([], [], [])
 
 
 def test_a_slice_is_a_copy_that_later_appends_do_not_reach():

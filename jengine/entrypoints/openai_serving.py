@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from jengine.async_llm import AsyncLLM
 from jengine.entrypoints.errors import APIError
 from jengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, check_fits_engine
+from jengine.logprobs import FlatLogprobs
 from jengine.outputs import CompletionOutput, RequestOutput
 from jengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -38,6 +39,11 @@ def _accumulate(previous: RequestOutput | None, delta: RequestOutput) -> Request
                                                                          c.stop_reason)
     previous.finished, previous.metrics = delta.finished, delta.metrics
     return previous
+
+
+def _flat(logprobs) -> FlatLogprobs:
+    """The server asks the engine for flat logprobs; positions are read from its lists, no dicts built."""
+    return logprobs if isinstance(logprobs, FlatLogprobs) else FlatLogprobs(logprobs)
 
 
 class _Run:
@@ -191,25 +197,28 @@ class OpenAIServing:
     def _completion_logprobs(self, c: CompletionOutput, start: int, text_offset: int, as_ids: bool) -> dict | None:
         if c.logprobs is None:
             return None
+        flat = _flat(c.logprobs)
         tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, lps in zip(c.token_ids[start:], c.logprobs[start:]):
+        for j, tid in enumerate(c.token_ids[start:], start):
+            ids, lps, _ = flat.position(j)
             s = self.token_str(tid, as_ids)
             tokens.append(s)
-            token_lps.append(lps[tid].logprob)
-            tops.append({self.token_str(t, as_ids): lp.logprob for t, lp in lps.items()})
+            token_lps.append(lps[ids.index(tid)])
+            tops.append({self.token_str(t, as_ids): lp for t, lp in zip(ids, lps)})
             offsets.append(text_offset)
             text_offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def _echo_logprobs(self, out: RequestOutput, as_ids: bool) -> dict:
         """OpenAI's logprobs of echoed prompt tokens: the first token has none."""
+        flat = _flat(out.prompt_logprobs) if out.prompt_logprobs else None
         tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
         for pos, tid in enumerate(out.prompt_token_ids):
             s = self.token_str(tid, as_ids)
-            lps = out.prompt_logprobs[pos] if out.prompt_logprobs else None
+            ids, lps, _ = flat.position(pos) if flat is not None else ((), (), ())
             tokens.append(s)
-            token_lps.append(None if lps is None else lps[tid].logprob)
-            tops.append(None if lps is None else {self.token_str(t, as_ids): lp.logprob for t, lp in lps.items()})
+            token_lps.append(lps[ids.index(tid)] if ids else None)
+            tops.append({self.token_str(t, as_ids): lp for t, lp in zip(ids, lps)} if ids else None)
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -264,13 +273,15 @@ class OpenAIServing:
         sampled token among them only where its rank is within `top`)."""
         if c.logprobs is None:
             return None
+        flat = _flat(c.logprobs)
         content = []
-        for tid, lps in zip(c.token_ids[start:], c.logprobs[start:]):
+        for j, tid in enumerate(c.token_ids[start:], start):
+            ids, lps, ranks = flat.position(j)
             s = self.token_str(tid, as_ids)
-            ranked = sorted(((lp.rank, t, lp) for t, lp in lps.items() if lp.rank is not None and lp.rank <= top),
+            ranked = sorted(((r, t, lp) for t, lp, r in zip(ids, lps, ranks) if r is not None and r <= top),
                             key=lambda x: x[0])
-            tops = [(self.token_str(t, as_ids), lp.logprob) for _, t, lp in ranked]
-            content.append({"token": s, "logprob": lps[tid].logprob, "bytes": list(s.encode()),
+            tops = [(self.token_str(t, as_ids), lp) for _, t, lp in ranked]
+            content.append({"token": s, "logprob": lps[ids.index(tid)], "bytes": list(s.encode()),
                             "top_logprobs": [{"token": ts, "logprob": lp, "bytes": list(ts.encode())}
                                              for ts, lp in tops]})
         return {"content": content}
