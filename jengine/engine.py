@@ -23,7 +23,7 @@ from jengine.engine_config import EngineConfig
 from jengine.executable_cache import ExecutableCache
 from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
-from jengine.logprobs import FlatLogprobs, step_entries
+from jengine.logprobs import FlatLogprobs, append_positions, for_output
 from jengine.outputs import CompletionOutput, RequestOutput
 from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, to_host
@@ -47,7 +47,7 @@ class _Child:
     rng_counter: int
     logprobs: FlatLogprobs | None
     cumulative_logprob: float = 0.0
-    logprob_dicts: list | None = None  # `logprobs` read as dicts so far (outputs without flat_logprobs)
+    logprob_dicts: list | None = None  # dicts of `logprobs` made so far (CUMULATIVE outputs without flat_logprobs)
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # output tokens already returned (DELTA outputs)
 
@@ -216,8 +216,10 @@ class LLMEngine:
             request = Request(child_id, ids, child_params, arrival_time=arrival, priority=priority)
             self.scheduler.add_request(request)  # validates lengths; raises before anything is kept
             detok = IncrementalDetokenizer(self.tokenizer, child_params, ids) if self.tokenizer else None
+            keep_dicts = params.output_kind is RequestOutputKind.CUMULATIVE and not params.flat_logprobs
             children.append(_Child(request, request_id, detok, self._rng_counter,
-                                   FlatLogprobs() if params.logprobs is not None else None))
+                                   FlatLogprobs() if params.logprobs is not None else None,
+                                   logprob_dicts=[] if keep_dicts else None))
             self._rng_counter += 1
         self._children.update((c.request.request_id, c) for c in children)
         group = _Group(request_id, text, ids, params, children)
@@ -330,8 +332,11 @@ class LLMEngine:
             group = self._groups[child.group_id]
             if group.params.output_kind is not RequestOutputKind.FINAL_ONLY or request.is_finished:
                 touched[child.group_id] = group
-        if with_logprobs:
-            _record_logprobs(with_logprobs, result)
+        if with_logprobs:  # the sampled token with its rank, then the row's top logprobs
+            rows, children = zip(*with_logprobs)
+            append_positions([c.logprobs for c in children], [c.request.output_token_ids[-1] for c in children],
+                             [c.request.sampling_params.logprobs for c in children], list(rows),
+                             result.sampled_logprobs, result.sampled_ranks, result.topk_ids, result.topk_logprobs)
         self.stats["generation_tokens"] += recorded
         # A FINAL_ONLY group is touched only by a child that just ended (its last token, or a stop string).
         outputs = [self._make_output(gid) for gid, group in touched.items()
@@ -400,26 +405,23 @@ class LLMEngine:
         """Add the step's prompt positions to their groups' prompt logprobs. Positions already there (a
         prompt computed again after preemption) are skipped: a prompt's chunks run in order, so the new
         positions of a request always start where its list ends."""
-        rows, targets, ks, spans, t = [], [], [], [], 0
+        into, rows, targets, ks, t = [], [], [], [], 0
         for entry in sched.scheduled:
             chunk = self._prompt_targets(entry)
             if chunk is not None:
                 group = self._groups[self._children[entry.request.request_id].group_id]
                 have = len(group.prompt_logprobs) - (entry.start_position + 1)  # of the chunk, already there
                 assert have >= 0, "prompt logprobs arrive in position order"
-                new = [(t + j, target) for j, target in enumerate(chunk) if j >= have and target >= 0]
-                spans.append((group.prompt_logprobs, len(rows), len(new)))
-                rows += [row for row, _ in new]
-                targets += [target for _, target in new]
-                ks += [group.params.prompt_logprobs] * len(new)
+                for j in range(have, len(chunk)):
+                    if chunk[j] >= 0:
+                        into.append(group.prompt_logprobs)
+                        rows.append(t + j)
+                        targets.append(chunk[j])
+                        ks.append(group.params.prompt_logprobs)
             t += entry.num_new_tokens
-        if not rows:
-            return
-        entries = step_entries(targets, plp.token_logprobs[rows], plp.token_ranks[rows], plp.topk_ids[rows],
-                               plp.topk_logprobs[rows], ks)
-        for into, first, count in spans:
-            for j in range(first, first + count):
-                entries.add_to(into, j)
+        if rows:
+            append_positions(into, targets, ks, rows, plp.token_logprobs, plp.token_ranks, plp.topk_ids,
+                             plp.topk_logprobs)
 
     def _record_token(self, child: _Child, logprob: float, finished: bool) -> None:
         request = child.request
@@ -448,7 +450,8 @@ class LLMEngine:
             outputs.append(CompletionOutput(
                 index=i, text=text, token_ids=request.output_token_ids[first:],
                 cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
-                logprobs=_output_logprobs(child, group.params, first),
+                logprobs=None if child.logprobs is None else for_output(
+                    child.logprobs, first, as_flat=group.params.flat_logprobs, built=child.logprob_dicts),
                 finish_reason=request.finish_reason, stop_reason=child.stop_reason))
         finished = all(o.finish_reason is not None for o in outputs)
         metrics = group.children[0].request.metrics
@@ -463,31 +466,15 @@ class LLMEngine:
         return out
 
 
-def _output_logprobs(child: _Child, params: SamplingParams, first: int):
-    """A child's logprobs from token `first` on, as outputs carry them: a FlatLogprobs slice, or a list of
-    dicts built for the positions it covers (CUMULATIVE outputs keep the dicts built for earlier outputs;
-    DELTA and FINAL_ONLY ones build each position once and keep nothing)."""
-    if child.logprobs is None:
-        return None
-    if params.flat_logprobs:
-        return child.logprobs[first:]
-    if params.output_kind is not RequestOutputKind.CUMULATIVE:
-        return child.logprobs.dicts(first)
-    if child.logprob_dicts is None:
-        child.logprob_dicts = []
-    child.logprob_dicts += child.logprobs.dicts(len(child.logprob_dicts))
-    return child.logprob_dicts[first:]
-
-
 def _output_prompt_logprobs(group: _Group):
     """The group's prompt logprobs as outputs carry them, one entry per prompt position; built once when
     complete (positions not computed yet, as after a preemption of the child computing them, read None)."""
     if group.prompt_logprobs_out is not None or group.prompt_logprobs is None:
         return group.prompt_logprobs_out
-    plp, n = group.prompt_logprobs, len(group.prompt_token_ids)
-    out = plp[:] if group.params.flat_logprobs else plp.dicts()
-    out.extend([None] * (n - len(out)))
-    if len(plp) == n:
+    out = for_output(group.prompt_logprobs, 0, as_flat=group.params.flat_logprobs)
+    missing = len(group.prompt_token_ids) - len(out)
+    out.extend([None] * missing)
+    if not missing:
         group.prompt_logprobs_out = out
     return out
 
@@ -509,13 +496,3 @@ def _enable_compilation_cache(path: str) -> None:
     if jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
-def _record_logprobs(rows: list[tuple[int, _Child]], result) -> None:
-    """Add each row's sampled token, with its rank and the row's top logprobs, to its child's logprobs."""
-    index = [i for i, _ in rows]
-    entries = step_entries([c.request.output_token_ids[-1] for _, c in rows], result.sampled_logprobs[index],
-                           result.sampled_ranks[index], result.topk_ids[index], result.topk_logprobs[index],
-                           [c.request.sampling_params.logprobs for _, c in rows])
-    for j, (_, child) in enumerate(rows):
-        entries.add_to(child.logprobs, j)

@@ -169,3 +169,25 @@ def step_entries(chosen, chosen_logprobs, chosen_ranks, top_ids, top_logprobs, k
     offsets = np.zeros(r + 1, np.int64)
     np.cumsum(keep.sum(axis=1), out=offsets[1:])
     return StepEntries(offsets.tolist(), all_ids[keep].tolist(), all_lps[keep].tolist(), all_ranks[keep].tolist())
+
+
+def append_positions(into: list[FlatLogprobs], chosen, ks, rows, logprobs, ranks, top_ids, top_logprobs) -> None:
+    """Add one position to each of `into` (one store may come several times: its positions, in order),
+    position j from row `rows[j]` of a step's results: `logprobs`, `ranks` [R] of the chosen tokens and
+    the top ids / logprobs [R, N]; `chosen[j]` is the token and `ks[j]` how many top entries it keeps."""
+    entries = step_entries(chosen, logprobs[rows], ranks[rows], top_ids[rows], top_logprobs[rows], ks)
+    for j, flat in enumerate(into):
+        entries.add_to(flat, j)
+
+
+def for_output(flat: FlatLogprobs, first: int, *, as_flat: bool, built: list | None = None):
+    """Positions `first:` as an output carries them: a FlatLogprobs, or vLLM's list of dicts. `built`
+    (CUMULATIVE outputs, which repeat every position) holds the dicts made for earlier outputs and is
+    extended, so each position's dict is made once; without it the dicts are made and not kept."""
+    if as_flat:
+        return flat[first:]
+    if built is None:
+        return flat.dicts(first)
+    built += flat.dicts(len(built))
+    return built[first:]
+

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from jengine.async_llm import AsyncLLM
 from jengine.entrypoints.errors import APIError
 from jengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, check_fits_engine
-from jengine.logprobs import FlatLogprobs
 from jengine.outputs import CompletionOutput, RequestOutput
 from jengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -39,11 +38,6 @@ def _accumulate(previous: RequestOutput | None, delta: RequestOutput) -> Request
                                                                          c.stop_reason)
     previous.finished, previous.metrics = delta.finished, delta.metrics
     return previous
-
-
-def _flat(logprobs) -> FlatLogprobs:
-    """The server asks the engine for flat logprobs; positions are read from its lists, no dicts built."""
-    return logprobs if isinstance(logprobs, FlatLogprobs) else FlatLogprobs(logprobs)
 
 
 class _Run:
@@ -197,7 +191,7 @@ class OpenAIServing:
     def _completion_logprobs(self, c: CompletionOutput, start: int, text_offset: int, as_ids: bool) -> dict | None:
         if c.logprobs is None:
             return None
-        flat = _flat(c.logprobs)
+        flat = c.logprobs  # a FlatLogprobs: `_params` asks for flat logprobs
         tokens, token_lps, tops, offsets = [], [], [], []
         for j, tid in enumerate(c.token_ids[start:], start):
             ids, lps, _ = flat.position(j)
@@ -211,7 +205,7 @@ class OpenAIServing:
 
     def _echo_logprobs(self, out: RequestOutput, as_ids: bool) -> dict:
         """OpenAI's logprobs of echoed prompt tokens: the first token has none."""
-        flat = _flat(out.prompt_logprobs) if out.prompt_logprobs else None
+        flat = out.prompt_logprobs or None
         tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
         for pos, tid in enumerate(out.prompt_token_ids):
             s = self.token_str(tid, as_ids)
@@ -273,7 +267,7 @@ class OpenAIServing:
         sampled token among them only where its rank is within `top`)."""
         if c.logprobs is None:
             return None
-        flat = _flat(c.logprobs)
+        flat = c.logprobs  # a FlatLogprobs: `_params` asks for flat logprobs
         content = []
         for j, tid in enumerate(c.token_ids[start:], start):
             ids, lps, ranks = flat.position(j)
