@@ -4,8 +4,11 @@ JAX calls block, so the loop cannot run on the event loop. Every engine call (ad
 anything submitted with `run`) happens on the one engine thread, fed through a command queue, so the
 engine needs no lock. Outputs go back to each request's `asyncio.Queue` with
 `loop.call_soon_threadsafe`. If the engine fails, every waiting caller gets the error; nobody hangs.
-An engine with a `close()` (the multi-host leader, which then stops its followers) gets it called on
-the engine thread when the loop ends.
+An engine with a `close()` (the multi-host leader, which then stops its followers; an `EngineProcess`,
+whose child then exits) gets it called on the engine thread when the loop ends.
+
+The engine may live in another process (`jengine.engine_core.EngineProcess`, what `jengine serve` runs):
+the loop is the same, and a request the child refuses comes back as a `RequestError` among the outputs.
 """
 
 from __future__ import annotations
@@ -23,14 +26,11 @@ from typing import Any
 
 from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
+from jengine.engine_core import EngineDeadError, RequestError
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (an error inside a step, or shutdown); no request can be served."""
 
 
 _ABORTED = object()  # end-of-stream marker for a request aborted by the caller
@@ -191,11 +191,16 @@ class AsyncLLM:
                     outputs = engine.step()
                     for out in outputs:
                         stream = self._streams.get(out.request_id)
-                        if stream is not None:
-                            stream.put(_snapshot(out))
-                            if out.finished:
-                                self._streams.pop(out.request_id, None)
-                    self._log_stats(outputs)
+                        if stream is None:
+                            continue
+                        if isinstance(out, RequestError):  # refused by an engine in another process
+                            self._streams.pop(out.request_id)
+                            stream.put(out.error)
+                            continue
+                        stream.put(_snapshot(out))
+                        if out.finished:
+                            self._streams.pop(out.request_id, None)
+                    self._log_stats([out for out in outputs if not isinstance(out, RequestError)])
                 else:
                     self._log_stats([])
         except BaseException as e:  # noqa: BLE001 - every failure must reach the callers

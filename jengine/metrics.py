@@ -1,10 +1,11 @@
 """Prometheus metrics mirroring vLLM's (`vllm:` names with a `jengine:` prefix).
 
 `EngineMetrics.record(engine, outputs)` is the `AsyncLLM` stat logger: it runs on the engine thread
-after every iteration, sets the gauges from the scheduler, advances the counters by what changed since
-the previous call and observes the latency histograms of the requests that finished. With
-data-parallel replicas the gauges and counters are summed over the replicas (KV usage is their mean)
-and `jengine:engine_generation_tokens{engine="i"}` shows how the work spread.
+after every iteration, sets the gauges from the scheduler (a `snapshot`, taken in the engine's own
+process), advances the counters by what changed since the previous call and observes the latency
+histograms of the requests that finished. With data-parallel replicas the gauges and counters are
+summed over the replicas (KV usage is their mean) and `jengine:engine_generation_tokens{engine="i"}`
+shows how the work spread.
 """
 
 from __future__ import annotations
@@ -71,8 +72,14 @@ class EngineMetrics:
         return delta
 
     def record(self, engine, outputs: list[RequestOutput]) -> None:
-        replicas = getattr(engine, "replicas", None) or [engine]
-        s = _scheduler_stats(replicas)
+        s = snapshot(engine)
+        if s is not None:  # None: an engine in another process that has not stepped yet
+            self._record_engine(s, bool(outputs))
+        for out in outputs:
+            if out.finished:
+                self.record_finished(out)
+
+    def _record_engine(self, s: dict, stepped: bool) -> None:
         self.running.set(s["num_requests_running"])
         self.waiting.set(s["num_requests_waiting"])
         self.swapped.set(s["num_requests_swapped"])
@@ -80,19 +87,16 @@ class EngineMetrics:
         self._advance(self.prefix_queries, "prefix_cache_queries", s["prefix_cache_queries"])
         self._advance(self.prefix_hits, "prefix_cache_hits", s["prefix_cache_hits"])
         self._advance(self.preemptions, "num_preemptions", s["num_preemptions"])
-        st = engine.stats
+        st = s["stats"]
         self._advance(self.prompt_tokens, "prompt_tokens", st["prompt_tokens"])
         generated = self._advance(self.generation_tokens, "generation_tokens", st["generation_tokens"])
-        for i, replica in enumerate(replicas):
+        for i, tokens in enumerate(s["replica_generation_tokens"]):
             self._advance(self.engine_generation_tokens.labels(model_name=self._model_name, engine=str(i)),
-                          f"generation_tokens/{i}", replica.stats["generation_tokens"])
+                          f"generation_tokens/{i}", tokens)
         prefill = st["computed_prompt_tokens"] - self._last.get("computed_prompt_tokens", 0)
         self._last["computed_prompt_tokens"] = st["computed_prompt_tokens"]
-        if outputs:
+        if stepped:
             self.iteration_tokens.observe(generated + prefill)
-        for out in outputs:
-            if out.finished:
-                self.record_finished(out)
 
     def record_finished(self, out: RequestOutput) -> None:
         for o in out.outputs:
@@ -117,9 +121,17 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
-def _scheduler_stats(engines) -> dict[str, float]:
-    """One engine's scheduler stats, or several replicas' summed (KV cache usage averaged)."""
-    stats = [e.scheduler.stats() for e in engines]
+def snapshot(engine) -> dict | None:
+    """What `EngineMetrics.record` reads of an engine: its scheduler's stats (several replicas' summed,
+    KV cache usage averaged), its `stats` counters and each replica's generated tokens. An engine in
+    another process hands over the one its process made (`metrics_snapshot()`)."""
+    own = getattr(engine, "metrics_snapshot", None)
+    if own is not None:
+        return own()
+    replicas = getattr(engine, "replicas", None) or [engine]
+    stats = [e.scheduler.stats() for e in replicas]
     total = {key: sum(s[key] for s in stats) for key in stats[0]}
     total["kv_cache_usage_perc"] /= len(stats)
+    total["stats"] = dict(engine.stats)
+    total["replica_generation_tokens"] = [r.stats["generation_tokens"] for r in replicas]
     return total

@@ -3,6 +3,8 @@
 SIGTERM / Ctrl-C: uvicorn stops accepting connections and waits for the responses in flight; then the
 app's shutdown drains the engine, and the process exits 0.
 
+The engine runs in a child process (`jengine.engine_core`), so the HTTP side and the engine loop do not
+share one GIL; `--engine-in-process` runs it on a thread of the server's process instead.
 `--data-parallel-size N` serves N engine replicas behind the one front end (`DataParallelEngine`).
 Multi-host (`--coordinator-address/--num-processes/--process-id`, or JENGINE_*): every process builds
 the same engine; process 0 serves HTTP and the others follow its commands in lockstep
@@ -51,6 +53,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="token-count buckets to compile, comma- or space-separated (default: derived)")
     p.add_argument("--seq-buckets", type=_int_list, nargs="+", default=None,
                    help="sequence-count buckets to compile, comma- or space-separated (default: derived)")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine on a thread of the server's process, not in a process of its own "
+                   "(always so with --num-processes > 1)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     add_engine_args(p)
@@ -76,7 +81,7 @@ def run_server(args: argparse.Namespace) -> int:
     from jengine.async_llm import AsyncLLM
     from jengine.cli import engine_kwargs
     from jengine.engine_config import EngineConfig
-    from jengine.entrypoints import pooling
+    from jengine.engine_core import EngineProcess, build_serving_engine
     from jengine.entrypoints.api_server import build_app
     from jengine.metrics import EngineMetrics
     from jengine.tokenizer import load_tokenizer
@@ -87,9 +92,13 @@ def run_server(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     kwargs = engine_kwargs(args)
     kwargs.update(token_buckets=_joined(args.token_buckets), seq_buckets=_joined(args.seq_buckets))
-    engine = _build_engine(EngineConfig(model=args.model, **kwargs))
-    # /v1/embeddings must not compile while serving (data-parallel replicas embed on replica 0)
-    embedding_programs = pooling.warmup(getattr(engine, "replicas", [engine])[0])
+    config = EngineConfig(model=args.model, **kwargs)
+    progress = sys.stderr.isatty()
+    if multi_process or args.engine_in_process:
+        engine, embedding_programs = build_serving_engine(config, progress)
+    else:
+        engine = EngineProcess(config, progress=progress, stats=True)
+        embedding_programs = engine.embedding_programs
     if multi_process:
         from jengine import multihost_serving
 
@@ -113,21 +122,10 @@ def run_server(args: argparse.Namespace) -> int:
         _draining_server_class()(config).run()
     finally:
         if llm is not None:
-            llm.shutdown(drain=False, timeout=30)  # a multi-host leader stops its followers on the way out
-        elif multi_process:
+            llm.shutdown(drain=False, timeout=30)  # closes the engine: a multi-host leader stops its followers
+        elif hasattr(engine, "close"):  # an engine process, a multi-host leader
             engine.close()
     return 0
-
-
-def _build_engine(config):
-    progress = sys.stderr.isatty()
-    if config.data_parallel_size > 1:
-        from jengine.data_parallel import DataParallelEngine
-
-        return DataParallelEngine(config, progress=progress)
-    from jengine.engine import LLMEngine
-
-    return LLMEngine(config, progress=progress)
 
 
 def _draining_server_class():
