@@ -1,0 +1,166 @@
+"""The engine in a process of its own (`EngineProcess`) behind AsyncLLM: the same outputs as the engine in
+this process, refused requests, aborts that free pages, embeddings, a child that dies, a child that cannot
+start. The same path runs under every `jengine serve` test (the server's default)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from jengine import RequestOutputKind, SamplingParams
+from jengine.async_llm import AsyncLLM, EngineDeadError
+from jengine.engine import LLMEngine
+from jengine.engine_config import EngineConfig
+from jengine.engine_core import EngineProcess, _pack, _unpack
+from jengine.entrypoints.pooling import embed
+from jengine.logprobs import FlatLogprobs
+from jengine.outputs import CompletionOutput, RequestOutput
+from jengine.request import RequestMetrics
+
+SMALL = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64),
+             seq_buckets=(8,))
+CONFIG = EngineConfig(model="jengine/tiny-llama", **SMALL)
+
+
+@pytest.fixture(scope="module")
+def process():
+    engine = EngineProcess(CONFIG, progress=False, stats=True, startup_timeout=300)
+    llm = AsyncLLM.from_engine(engine)
+    yield llm
+    llm.shutdown(drain=False, timeout=30)
+    assert not engine._process.is_alive()
+
+
+@pytest.fixture(scope="module")
+def local():
+    return LLMEngine(CONFIG, progress=False)
+
+
+async def _collect(llm, prompt, params, rid):
+    return [out async for out in llm.generate(prompt, params, rid)]
+
+
+def _run_all(llm, params, prompts):
+    async def main():
+        return await asyncio.gather(*(_collect(llm, p, params, f"{params.output_kind.name}-{i}")
+                                      for i, p in enumerate(prompts)))
+
+    return asyncio.run(main())
+
+
+def _merged(outs: list[RequestOutput], kind: RequestOutputKind) -> tuple:
+    """One stream's result: its last output, or for DELTA outputs everything they carried, joined."""
+    last, pieces = outs[-1], [o.outputs[0] for o in outs]
+    if kind is not RequestOutputKind.DELTA:
+        pieces = pieces[-1:]
+    flat = FlatLogprobs()
+    for c in pieces:
+        flat.extend(c.logprobs)
+    prompt_lps = outs[0].prompt_logprobs
+    return (last.request_id, outs[0].prompt, outs[0].prompt_token_ids, last.finished,
+            "".join(c.text for c in pieces), [t for c in pieces for t in c.token_ids], last.outputs[0].finish_reason,
+            flat.token_ids, flat.ranks, prompt_lps.token_ids, last.metrics.first_token_time is not None,
+            flat.logprobs, prompt_lps.logprobs)
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_outputs_equal_those_of_the_engine_in_this_process(process, local, kind):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                            flat_logprobs=True, output_kind=kind)
+    prompts = ["Hello there", [5, 6, 7, 8, 9], "abc"]
+    got = [_merged(outs, kind) for outs in _run_all(process, params, prompts)]
+    want = [_merged(outs, kind) for outs in _run_all(AsyncLLM.from_engine(local), params, prompts)]
+    for g, w in zip(got, want, strict=True):
+        assert g[:11] == w[:11] and len(g[5]) == 12 and g[10]
+        # the same programs in another process: float sums may differ in the last bits
+        assert g[11] == pytest.approx(w[11], abs=1e-4) and g[12] == pytest.approx(w[12], abs=1e-4)
+
+
+def test_refused_requests_raise_value_error_and_the_engine_keeps_serving(process):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await _collect(process, "x" * 300, params, "too-long")
+        with pytest.raises(ValueError, match="token ids"):
+            await _collect(process, [10**6], params, "bad-ids")
+        return await _collect(process, "ok", params, "fine")
+
+    assert asyncio.run(main())[-1].finished
+    assert not process.engine.has_unfinished_requests()
+
+
+def test_breaking_out_of_a_stream_aborts_in_the_child_and_frees_its_pages(process):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        seen = 0
+        async for _ in process.generate("Hello", params, "long"):
+            seen += 1
+            if seen == 2:
+                break
+        for _ in range(200):  # the child sends fresh gauges once it is idle
+            s = process.engine.metrics_snapshot()
+            if s["num_requests_running"] == 0 and s["kv_cache_usage_perc"] == 0:
+                return s
+            await asyncio.sleep(0.02)
+        return process.engine.metrics_snapshot()
+
+    s = asyncio.run(main())
+    assert (s["num_requests_running"], s["num_requests_waiting"], s["kv_cache_usage_perc"]) == (0, 0, 0)
+    assert s["stats"]["generation_tokens"] > 0
+
+
+def test_embeddings_run_in_the_child_and_equal_the_local_ones(process, local):
+    async def main():
+        return await process.run(lambda engine: embed(engine, [1, 2, 3, 4]))
+
+    assert asyncio.run(main()) == pytest.approx(embed(local, [1, 2, 3, 4]), abs=1e-6)
+    with pytest.raises(ValueError, match="empty"):
+        asyncio.run(process.run(lambda engine: embed(engine, [])))
+
+
+def test_outputs_travel_as_tuples_with_the_prompt_once():
+    announced, prompts = set(), {}
+
+    def out(n, finished):
+        c = CompletionOutput(0, "x" * n, list(range(n)), None, None, "length" if finished else None)
+        return RequestOutput("r", "hi", [1, 2, 3], [c], finished, RequestMetrics(1.0, 2.0, 3.0))
+
+    first, second, last = (_pack(out(n, n == 3), announced) for n in (1, 2, 3))
+    assert first[3] == ("hi", [1, 2, 3]) and second[3] is None and last[3] is None and not announced
+    for packed, n in ((first, 1), (second, 2)):
+        got = _unpack(packed, prompts)
+        assert (got.prompt, got.prompt_token_ids, got.outputs[0].token_ids) == ("hi", [1, 2, 3], list(range(n)))
+    assert _unpack(last, prompts).finished and prompts == {}
+    assert _unpack(first, prompts).metrics == RequestMetrics(1.0, 2.0, 3.0, None)
+
+
+def test_a_child_that_dies_fails_every_request_instead_of_hanging():
+    engine = EngineProcess(CONFIG, progress=False, startup_timeout=300)
+    llm = AsyncLLM.from_engine(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        gen = llm.generate("Hello", params, "doomed")
+        await gen.__anext__()
+        os.kill(engine._process.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(EngineDeadError):
+            await _collect(llm, "Hello", params, "after")
+
+    asyncio.run(main())
+    llm.shutdown(drain=False, timeout=10)
+
+
+def test_an_engine_that_cannot_start_raises_its_error_here():
+    with pytest.raises(ValueError, match="no-such-model"):
+        EngineProcess(EngineConfig(model="/no-such-model", **SMALL), progress=False, startup_timeout=300)
