@@ -58,15 +58,27 @@ def padded_lengths(max_len: int) -> list[int]:
     return sorted({_bucket(n) for n in [1, max_len] + [1 << i for i in range(max_len.bit_length())] if n <= max_len})
 
 
-def hidden_states(cfg: ModelConfig, params: dict, token_ids, mesh=None) -> np.ndarray:
+def hidden_states(cfg: ModelConfig, params: dict, token_ids, mesh=None, programs: dict | None = None) -> np.ndarray:
     """Final-normed hidden states `[len, H]` (f32) of one sequence, with its own scratch cache.
 
     `mesh`: the tensor-parallel mesh the params are sharded over (then `cfg` is the model the devices
-    hold, `sharding.sharded_model_config`)."""
+    hold, `sharding.sharded_model_config`). `programs`: compiled ones by padded length
+    (`trace_hidden_states`), used where they hold the length."""
     ids = _check_ids(cfg, token_ids)
-    num_pages = _bucket(len(ids)) // PAGE_SIZE
-    hidden = _hidden(params, _caches(cfg, num_pages, mesh), _sequence_input(ids, 0, num_pages), cfg=cfg, mesh=mesh)
+    args = _hidden_args(cfg, params, ids, mesh)
+    program = (programs or {}).get(_bucket(len(ids)))
+    hidden = program(*args) if program is not None else _hidden(*args, cfg=cfg, mesh=mesh)
     return np.asarray(hidden, np.float32)[: len(ids)]
+
+
+def trace_hidden_states(cfg: ModelConfig, params: dict, length: int, mesh=None) -> jax.stages.Traced:
+    """The traced `hidden_states` program of one padded length (to compile ahead of time)."""
+    return _hidden.trace(*_hidden_args(cfg, params, [0] * length, mesh), cfg=cfg, mesh=mesh)
+
+
+def _hidden_args(cfg: ModelConfig, params: dict, ids: list[int], mesh) -> tuple:
+    num_pages = _bucket(len(ids)) // PAGE_SIZE
+    return params, _caches(cfg, num_pages, mesh), _sequence_input(ids, 0, num_pages)
 
 
 def _check_ids(cfg: ModelConfig, token_ids) -> list[int]:

@@ -161,6 +161,7 @@ class ModelRunner:
         self.cfg, self.ecfg, self.params, self.mesh = cfg, ecfg, params, mesh
         self.executable_cache = executable_cache
         self.executable_cache_hits = 0  # programs warm-up loaded instead of lowering and compiling
+        self.embedding_programs: dict[int, jax.stages.Compiled] = {}  # by padded length (pooling.warmup)
         self.num_pages = num_pages
         cache_sharding = None if mesh is None else sharding.kv_cache_sharding(mesh)
         self._cache_sharding = cache_sharding
@@ -296,6 +297,18 @@ class ModelRunner:
             return functools.partial(self._sample, layout=layout, filter_k=filter_k, filter_p=filter_p, random=random,
                                      top_logprobs=top, small_k=small_k)
         return self._prompt_logprobs
+
+    def compile_traced(self, traced: jax.stages.Traced, compiler_options: dict | None = None) -> jax.stages.Compiled:
+        """One program outside the step buckets (the embedding programs): loaded from the executable
+        cache when it holds it, else lowered, compiled and stored there."""
+        cache = self.executable_cache
+        key = cache.key(traced, compiler_options) if cache else None
+        if key is not None and cache.contains(key):
+            compiled = cache.load(key)
+            if compiled is not None:
+                return compiled
+        lowered = traced.lower()
+        return lowered.compile(compiler_options) if key is None else cache.compile(key, lowered, compiler_options)
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
         """A padding-only StepInput of the given bucket (writes nothing, reads nothing)."""
