@@ -53,6 +53,21 @@ def test_greedy_completions_equal_llm_generate(client):
     assert served == [e.outputs[0].token_ids for e in expected]
 
 
+def test_the_engine_on_a_thread_of_the_server_serves_the_same_streams(client):
+    """`--engine-in-process` (the engine on a thread, not in a child process): the same streamed tokens."""
+    kw = dict(model=MODEL, prompt="Hello there", max_tokens=10, temperature=0, logprobs=0, stream=True,
+              extra_body=GREEDY_EXTRA)
+    want = [t for c in client.completions.create(**kw) for t in _ids(c.choices[0].logprobs.tokens)]
+    srv = Server("--engine-in-process")
+    try:
+        other = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        got = [t for c in other.completions.create(**kw) for t in _ids(c.choices[0].logprobs.tokens)]
+        assert srv.wait_idle()["jengine:generation_tokens_total"] == 10
+    finally:
+        assert srv.stop() == 0
+    assert got == want and len(got) == 10
+
+
 def test_streamed_completion_text_equals_the_non_streamed_one(client):
     kw = dict(model=MODEL, prompt="Hello", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(**kw)
