@@ -31,8 +31,12 @@ from jax.extend.core import subjaxprs
 logger = logging.getLogger(__name__)
 
 FORMAT = 1  # of the entry files; part of the key, so a new layout never reads an old file
-_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # JAX records it in the thread that asked to compile
-_compiling = threading.local()  # .jax_cache_hit: whether JAX's cache served this thread's last compile
+# JAX records both in the thread that asked to compile: a compile that went to its persistent cache
+# (a request), and one that the cache served (a hit). A compile that records neither was served from
+# JAX's in-memory caches: the same program, traced and compiled earlier in this process.
+_JAX_CACHE_REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_compiling = threading.local()  # .jax_cache_request / .jax_cache_hit: what this thread's last compile did
 
 # Object reprs name their address (`<function f at 0x7f...>`), which differs from process to process.
 # JAX's jaxpr printer already masks them in equation params; the trace context (an AxisEnv object)
@@ -85,12 +89,14 @@ def _trace_context() -> str:
     return _mask_addresses(repr(list(zip(config.trace_context_names(), config.trace_context(), strict=True))))
 
 
-def _note_jax_cache_hit(event: str, **_) -> None:
+def _note_jax_cache_event(event: str, **_) -> None:
     if event == _JAX_CACHE_HIT:
         _compiling.jax_cache_hit = True
+    elif event == _JAX_CACHE_REQUEST:
+        _compiling.jax_cache_request = True
 
 
-jax.monitoring.register_event_listener(_note_jax_cache_hit)
+jax.monitoring.register_event_listener(_note_jax_cache_event)
 
 
 def stores_loaded_executables() -> bool:
@@ -206,14 +212,18 @@ class ExecutableCache:
     def compile(self, key: str, lowered: jax.stages.Lowered, compiler_options: dict | None = None
                 ) -> jax.stages.Compiled:
         """`lowered.compile(compiler_options)`, then stored under `key`. Where an executable that JAX
-        loaded from its own cache would be stored broken (not `stores_loaded_executables()`), such a
-        one is not: a later start that compiles the program stores it."""
-        _compiling.jax_cache_hit = False
+        loaded from its own cache would be stored broken (not `stores_loaded_executables()`), only one
+        that XLA compiled just now is stored: not one JAX's cache served, nor one JAX's in-memory
+        caches handed back (possibly loaded from its cache earlier: on the CPU, an embedding program
+        run through `jax.jit` before its warm-up was stored that way, and the entry failed in the next
+        process with "Function ... not found"). A later start that compiles the program stores it."""
+        _compiling.jax_cache_hit = _compiling.jax_cache_request = False
         compiled = lowered.compile(compiler_options)
-        if _compiling.jax_cache_hit and not stores_loaded_executables():
-            logger.debug("executable cache: not storing %s, which JAX loaded from its compilation cache", key)
-        else:
+        compiled_here = _compiling.jax_cache_request and not _compiling.jax_cache_hit
+        if compiled_here or stores_loaded_executables():
             self.store(key, compiled)
+        else:
+            logger.debug("executable cache: not storing %s, which XLA did not compile just now", key)
         return compiled
 
     def store(self, key: str, compiled: jax.stages.Compiled) -> None:

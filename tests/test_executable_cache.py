@@ -161,3 +161,35 @@ def test_no_key_without_the_jax_internals_it_reads(monkeypatch):
     traced = jax.jit(lambda x: x + 1).trace(jnp.ones(4))
     monkeypatch.delattr(jax.stages.Traced, "_meta_tys_flat")
     assert ExecutableCache("unused").key(traced) is None
+
+
+_JIT_FIRST = """
+import sys, jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_compilation_cache_dir", sys.argv[1] + "/jax")
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+from jengine.executable_cache import ExecutableCache
+cache = ExecutableCache(sys.argv[1] + "/exe")
+f = jax.jit(lambda x, i: jnp.take(jnp.cos(x), i, axis=0) * 3.0 + x[:4].sum())
+x, i = jnp.arange(64.0).reshape(8, 8), jnp.array([3, 1, 2, 0])
+if sys.argv[2] == "jit-first":  # JAX's cache serves this call; compiling the program again reuses it in memory
+    f(x, i)
+traced = f.trace(x, i)
+key = cache.key(traced)
+print(float(np.asarray((cache.load(key) or cache.compile(key, traced.lower()))(x, i)).sum()))
+"""
+
+
+def test_a_program_jax_handed_back_from_memory_is_stored_only_where_loaded_copies_run(tmp_path):
+    # On the CPU an executable JAX loaded from its own cache serializes without its kernels. One run
+    # through jax.jit first comes back from JAX's memory on a later compile, with no cache event; it was
+    # stored, and the next process failed with "Function ... not found".
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", _JIT_FIRST, str(tmp_path), mode], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return float(out.stdout.strip().splitlines()[-1])
+
+    first = run("plain")  # compiled, stored, and in JAX's cache
+    shutil.rmtree(tmp_path / "exe")
+    assert run("jit-first") == first
+    assert run("plain") == first  # loads whatever the jit-first process stored
