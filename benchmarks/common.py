@@ -264,13 +264,14 @@ def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts: int, input_l
     parser.add_argument("--seed", type=int, default=0)
 
 
-def make_requests(args, vocab: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length) per request for --dataset."""
+def make_requests(args, vocab: int, variant: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) per request for --dataset. Another `variant` keeps the lengths
+    and draws other tokens, so a server's prefix cache holds none of an earlier variant's prompts."""
     if args.dataset == "chat-like":
         lengths = chat_like_lengths(args.num_prompts, args.max_model_len, args.seed)
     else:
         lengths = [(args.input_len, args.output_len)] * args.num_prompts
-    rng = np.random.default_rng(args.seed + 1)
+    rng = np.random.default_rng([args.seed + 1, variant] if variant else args.seed + 1)
     return [(rng.integers(100, vocab - 100, size=i).tolist(), o) for i, o in lengths]
 
 

@@ -5,8 +5,11 @@
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate inf --dataset chat-like
 
 Requests arrive as a Poisson process at --request-rate (inf: all at once), at most --max-concurrency in
-flight; several --max-concurrency values run the same requests once per value against one server (a
-sweep: one summary each, and with --plot a throughput / latency vs concurrency PNG beside the CDFs).
+flight; several --max-concurrency values run the same request lengths once per value against one server
+(a sweep: one summary each, and with --plot a throughput / latency vs concurrency PNG beside the CDFs),
+each value with other prompt tokens, so that the server's prefix cache holds none of them. A second run
+with the same --seed sends the same prompts again, and the prefix cache then skips their prefill: each
+run reports `prefix_cache_hit_rate` (prompt tokens found / looked up, from the server's /metrics).
 Each asks for its output length with ignore_eos, streams, and also asks for logprobs=0 so every
 token produces a chunk even for models without a tokenizer (the dummy presets). Reports TTFT, TPOT
 (per request: (latency - TTFT) / (tokens - 1)), ITL (gaps between chunks), E2E: mean / p50 / p99, request
@@ -113,6 +116,30 @@ async def one_request(client, url: str, payload: dict) -> dict:
             "ttft": times[0] - start if times else None, "itl": np.diff(times).tolist() if times else []}
 
 
+def prefix_cache_counters(base_url: str) -> tuple[float, float] | None:
+    """(prompt tokens looked up, found) in the server's prefix cache, from its /metrics; None without them."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
+            if line.startswith(f"jengine:{name}{{"):
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    if len(values) < 2:
+        return None
+    return values["prefix_cache_queries_total"], values["prefix_cache_hits_total"]
+
+
+def prefix_hit_rate(before, after) -> float | None:
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
 async def run_load(url: str, payloads: list[dict], rate: float, max_concurrency: int | None, seed: int):
     import httpx
 
@@ -127,7 +154,8 @@ async def run_load(url: str, payloads: list[dict], rate: float, max_concurrency:
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        await one_request(client, url, {**payloads[0], "max_tokens": 4})  # warm-up: connection, first request
+        # warm-up (connection, first request) on a one-token prompt, which leaves nothing in the prefix cache
+        await one_request(client, url, {**payloads[0], "prompt": payloads[0]["prompt"][:1], "max_tokens": 4})
         tasks = []
         start = time.perf_counter()
         for payload in payloads:
@@ -251,25 +279,30 @@ def main(argv: list[str] | None = None) -> dict:
         proc, _ = launch_server(args.model, args.port, server_args, args.server_timeout)
     elif server_args:
         parser.error(f"unrecognized arguments: {' '.join(server_args)} (engine flags need --launch-server)")
-    url = (args.base_url or f"http://127.0.0.1:{args.port}") + args.endpoint
+    base_url = args.base_url or f"http://127.0.0.1:{args.port}"
+    url = base_url + args.endpoint
     try:
-        requests = make_requests(args, model_shape(args.model)["vocab"])
-        payloads = [{"model": args.model, "prompt": p, "max_tokens": o, "ignore_eos": True, "temperature": 0.0,
-                     "stream": True, "stream_options": {"include_usage": True},
-                     **({"logprobs": 0, "return_tokens_as_token_ids": True} if args.token_logprobs else {})}
-                    for p, o in requests]
         runs = []
-        for cap in caps:
+        for variant, cap in enumerate(caps):  # each point of a sweep sends prompts the server has not seen
+            payloads = [{"model": args.model, "prompt": p, "max_tokens": o, "ignore_eos": True, "temperature": 0.0,
+                         "stream": True, "stream_options": {"include_usage": True},
+                         **({"logprobs": 0, "return_tokens_as_token_ids": True} if args.token_logprobs else {})}
+                        for p, o in make_requests(args, model_shape(args.model)["vocab"], variant)]
             print(f"{len(payloads)} requests ({args.dataset}), rate {args.request_rate} req/s, "
                   f"max concurrency {cap or 'unlimited'} -> {url}")
-            runs.append((cap, *asyncio.run(run_load(url, payloads, args.request_rate, cap, args.seed))))
+            before = prefix_cache_counters(base_url)
+            results, duration = asyncio.run(run_load(url, payloads, args.request_rate, cap, args.seed))
+            runs.append((cap, results, duration, prefix_hit_rate(before, prefix_cache_counters(base_url))))
     finally:
         if proc is not None:
             stop_server(proc)
     sweep = []
-    for cap, results, duration in runs:
+    for cap, results, duration, hit_rate in runs:
         summary = summarise(results, duration, slos)
-        sweep.append({"max_concurrency": cap, **summary})
+        sweep.append({"max_concurrency": cap, **summary, "prefix_cache_hit_rate": hit_rate})
+        if hit_rate is not None and hit_rate > 0.05:
+            print(f"note: the server's prefix cache held {hit_rate:.0%} of the prompt tokens (it has seen these "
+                  "prompts: an earlier run with this --seed); prefill was skipped for them")
         errors = [r["error"] for r in results if not r["ok"]]
         if errors:
             print(f"{len(errors)} requests failed, first: {errors[0]}")
@@ -278,12 +311,12 @@ def main(argv: list[str] | None = None) -> dict:
               (f", goodput {summary['goodput_req_s']:.2f} req/s" if slos else ""))
         print_table([{"metric": m, **{k: summary[f"{m}_{k}_ms"] for k in ("mean", "p50", "p99", "max")}}
                      for m in ("ttft", "tpot", "itl", "e2el")], ["metric", "mean", "p50", "p99", "max"])
-    if not any(r["ok"] for _, results, _ in runs for r in results):
-        first = next((r["error"] for _, results, _ in runs for r in results), "no requests")
+    if not any(r["ok"] for _, results, *_ in runs for r in results):
+        first = next((r["error"] for _, results, *_ in runs for r in results), "no requests")
         raise SystemExit(f"serving.py: every request failed (first: {first}); is a server answering at {url}?")
     if args.plot:
         title = f"{args.model}, rate {args.request_rate}, {len(payloads)} requests"
-        plot_cdfs([(f"concurrency {cap or 'unlimited'}", results) for cap, results, _ in runs], args.plot, title)
+        plot_cdfs([(f"concurrency {cap or 'unlimited'}", results) for cap, results, *_ in runs], args.plot, title)
         if len(runs) > 1:
             plot_sweep(sweep, os.path.splitext(args.plot)[0] + "_sweep.png", title)
     last_results = runs[-1][1]

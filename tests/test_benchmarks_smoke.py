@@ -154,18 +154,21 @@ def test_serving_launches_a_server_and_measures_streams(tmp_path):
     result = data["result"]
     assert result["completed"] == 6 and result["failed"] == 0 and result["output_tokens"] == 24
     assert result["ttft_mean_ms"] > 0 and result["goodput_req_s"] > 0
+    assert result["prefix_cache_hit_rate"] == 0  # a new server has seen none of the prompts
     assert data["sweep"] is None
 
 
 def test_serving_sweeps_concurrency_against_one_server_and_plots(tmp_path):
     plot = tmp_path / "cdf.png"
     argv = ["--launch-server", "--model", "jengine/tiny-llama", "--max-model-len", "256", "--num-prompts", "4",
-            "--input-len", "16", "--output-len", "3", "--max-concurrency", "1", "4", "--plot", str(plot),
+            "--input-len", "40", "--output-len", "3", "--max-concurrency", "1", "4", "--plot", str(plot),
             "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--token-buckets", "16", "64", "--seq-buckets",
             "8", "--dtype", "float32"]
     data = _run("serving", argv, tmp_path)
     assert [row["max_concurrency"] for row in data["sweep"]] == [1, 4]
     assert all(row["completed"] == 4 and row["output_tokens"] == 12 for row in data["sweep"])
+    # 40-token prompts fill two pages the prefix cache could serve again; the second point's prompts are new
+    assert [row["prefix_cache_hit_rate"] for row in data["sweep"]] == [0, 0]
     assert data["result"] == data["sweep"][-1]
     assert plot.stat().st_size > 0 and (tmp_path / "cdf_sweep.png").stat().st_size > 0
 
