@@ -225,8 +225,12 @@ class EngineProcess:
             setattr(self, key, value)
         self.startup_seconds = time.perf_counter() - t0  # the child's own, plus starting the process
         self.tokenizer = load_tokenizer(self.config.model)
-        self._live: set[str] = set()  # requests added and not finished or aborted
-        self._prompts: dict[str, tuple] = {}  # request id -> (prompt, prompt token ids), from its first output
+        # Each add gets an id of its own in the child, so that outputs of an aborted request still on the
+        # way can never be taken for those of a later request under the same id.
+        self._wire: dict[str, str] = {}  # request id -> its id in the child, while added and not ended
+        self._caller: dict[str, str] = {}  # the reverse
+        self._adds = itertools.count()
+        self._prompts: dict[str, tuple] = {}  # id in the child -> (prompt, prompt token ids), from its first output
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._results: dict[int, tuple] = {}
         self._call_ids = itertools.count()
@@ -239,20 +243,23 @@ class EngineProcess:
 
     def add_request(self, request_id: str, prompt, params=None, *, priority: int = 0,
                     arrival_time: float | None = None) -> None:
-        self._send(("add", request_id, prompt, params, priority, time.time() if arrival_time is None else arrival_time))
-        self._live.add(request_id)
+        if request_id in self._wire:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        wire = f"{request_id}@{next(self._adds)}"
+        self._send(("add", wire, prompt, params, priority, time.time() if arrival_time is None else arrival_time))
+        self._wire[request_id], self._caller[wire] = wire, request_id
 
     def abort_request(self, request_id: str) -> None:
-        if request_id in self._live:
-            self._live.discard(request_id)
-            self._prompts.pop(request_id, None)
-            self._send(("abort", request_id))
+        wire = self._wire.get(request_id)
+        if wire is not None:
+            self._end(wire)
+            self._send(("abort", wire))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._live)
+        return bool(self._wire)
 
     def num_unfinished_requests(self) -> int:
-        return len(self._live)
+        return len(self._wire)
 
     def step(self) -> list[RequestOutput | RequestError]:
         """The outputs that arrived, waiting at most POLL_SECONDS for the first."""
@@ -329,22 +336,28 @@ class EngineProcess:
             self._events.put(("dead", RuntimeError(f"unreadable engine event: {e!r}")))
         self._events.put(_EOF)
 
+    def _end(self, wire: str) -> str:
+        request_id = self._caller.pop(wire)
+        del self._wire[request_id]
+        self._prompts.pop(wire, None)
+        return request_id
+
     def _take(self, event: tuple, outputs: list) -> None:
         kind = event[0]
         if kind == "step":
             for p in event[1]:
-                rid = p[0]
-                if rid not in self._live:  # aborted here while the child produced it
+                request_id = self._caller.get(p[0])
+                if request_id is None:  # aborted here while the child produced it
                     continue
                 out = _unpack(p, self._prompts)
+                out.request_id = request_id
                 if out.finished:
-                    self._live.discard(rid)
+                    self._end(p[0])
                 outputs.append(out)
         elif kind == "error":
-            _, rid, error = event
-            if rid in self._live:
-                self._live.discard(rid)
-                outputs.append(RequestError(rid, error))
+            _, wire, error = event
+            if wire in self._caller:
+                outputs.append(RequestError(self._end(wire), error))
         elif kind == "result":
             self._results[event[1]] = event[2:]
         elif kind == "dead":

@@ -115,6 +115,23 @@ def test_breaking_out_of_a_stream_aborts_in_the_child_and_frees_its_pages(proces
     assert s["stats"]["generation_tokens"] > 0
 
 
+def test_an_id_used_again_right_after_an_abort_gets_only_its_own_outputs(process, local):
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        gen = process.generate([9, 8, 7, 6], long, "same")
+        await gen.__anext__()
+        await gen.aclose()  # aborts; the child may still be sending the old request's outputs
+        await process.run(lambda engine: None)  # after the abort (commands run in order): the id is free
+        return await _collect(process, "Hello there", short, "same")
+
+    outs = asyncio.run(main())
+    want = _run_all(AsyncLLM.from_engine(local), short, ["Hello there"])[0][-1]
+    assert outs[-1].finished and outs[-1].prompt == "Hello there"
+    assert outs[-1].outputs[0].token_ids == want.outputs[0].token_ids
+
+
 def test_embeddings_run_in_the_child_and_equal_the_local_ones(process, local):
     async def main():
         return await process.run(lambda engine: embed(engine, [1, 2, 3, 4]))
