@@ -110,10 +110,11 @@ def _portable(error: BaseException) -> BaseException:
 # ---------------------------------------------------------------------- the child
 
 def _child_main(config, commands, events, progress: bool, with_stats: bool, log_level: int) -> None:
-    # Ctrl-C in a terminal, or a SIGTERM to the whole process group, reaches this process too; the server
-    # drains its requests first and then stops the engine (and if the server dies, the pipe's end does).
+    # Ctrl-C in a terminal reaches this process too; the server drains its requests first and then stops
+    # the engine (if the server dies, the pipe's end does). SIGTERM keeps its default: the server's exit
+    # sends one to a child that is still starting (multiprocessing ends daemonic children so), and a
+    # child that ignored it was waited for forever.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine, programs = build_serving_engine(config, progress)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -181,3 +183,58 @@ def test_a_child_that_dies_fails_every_request_instead_of_hanging():
 def test_an_engine_that_cannot_start_raises_its_error_here():
     with pytest.raises(ValueError, match="no-such-model"):
         EngineProcess(EngineConfig(model="/no-such-model", **SMALL), progress=False, startup_timeout=300)
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of `pid` (Linux /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+@pytest.mark.parametrize("serving", [False, True])
+def test_ctrl_c_ends_the_server_and_its_engine_process_while_starting_or_serving(serving):
+    # While the engine starts, the server exits at once and ends the child with a SIGTERM (multiprocessing
+    # does so for daemonic children); a child that ignored SIGTERM kept the server waiting forever.
+    from test_server_harness import SMALL_ENGINE, Server, free_port
+
+    if serving:
+        proc = Server(api_key=None).proc
+    else:  # Ctrl-C once the child runs jengine's code (it logs the KV cache's size), before it is ready
+        proc = subprocess.Popen([sys.executable, "-m", "jengine.cli", "serve", "jengine/tiny-llama", "--port",
+                                 str(free_port()), *SMALL_ENGINE], env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            if "KV cache:" in line:
+                break
+    kids = _children(proc.pid)
+    assert kids
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *kids]:
+            os.kill(pid, signal.SIGKILL)
+        raise
+    assert (proc.returncode == 0) == serving
+    deadline = time.monotonic() + 30
+    while any(_alive(k) for k in kids):
+        assert time.monotonic() < deadline, "the engine process outlived the server"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
