@@ -238,3 +238,30 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+_NO_BACKEND = """
+import uvicorn
+from jax._src import xla_bridge
+
+def report(self, *args, **kwargs):  # instead of serving: what the server process has initialized
+    print("backends:", sorted(xla_bridge._backends))
+
+uvicorn.Server.run = report
+from jengine.cli import main
+
+if __name__ == "__main__":
+    main(["serve", "jengine/tiny-llama", "--max-model-len", "256", "--max-num-seqs", "8",
+          "--max-num-batched-tokens", "64", "--token-buckets", "16,64", "--seq-buckets", "8"])
+"""
+
+
+def test_the_server_process_initializes_no_jax_backend(tmp_path):
+    # On a GPU the server process would take device memory the engine's KV cache counts on; on a TPU
+    # it would hold the chips the engine process needs.
+    script = tmp_path / "serve_without_serving.py"
+    script.write_text(_NO_BACKEND)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "backends: []" in out.stdout
