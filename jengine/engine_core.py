@@ -218,7 +218,9 @@ class EngineProcess:
             kind, payload = self._events_conn.recv()
         except EOFError:
             self._process.join(5)
-            raise RuntimeError(f"the engine process exited with {self._process.exitcode} while starting") from None
+            raise RuntimeError(f"the engine process exited with {self._process.exitcode} while starting (its error "
+                               "is in the log above; a spawned process re-imports the main script, which needs "
+                               "an `if __name__ == '__main__':` guard and cannot come from stdin)") from None
         if kind == "failed":
             self._process.join(30)
             raise payload
