@@ -80,3 +80,11 @@ class DataParallelEngine:
 
     def drain(self) -> list[RequestOutput]:
         return self._collect([out for r in self.replicas for out in r.drain()])
+
+
+def build_engine(config: EngineConfig, *, progress: bool = True):
+    """The engine a config asks for: one `LLMEngine`, or `DataParallelEngine` replicas when
+    `data_parallel_size` > 1 (requests balanced across disjoint device groups)."""
+    if config.data_parallel_size > 1:
+        return DataParallelEngine(config, progress=progress)
+    return LLMEngine(config, progress=progress)

@@ -58,16 +58,10 @@ class RequestError:
 def build_serving_engine(config, progress: bool) -> tuple[Any, int]:
     """The engine `jengine serve` runs (data-parallel replicas when asked) with its embedding programs
     compiled; (engine, number of embedding programs)."""
+    from jengine.data_parallel import build_engine
     from jengine.entrypoints import pooling
 
-    if config.data_parallel_size > 1:
-        from jengine.data_parallel import DataParallelEngine
-
-        engine = DataParallelEngine(config, progress=progress)
-    else:
-        from jengine.engine import LLMEngine
-
-        engine = LLMEngine(config, progress=progress)
+    engine = build_engine(config, progress=progress)
     # /v1/embeddings must not compile while serving (data-parallel replicas embed on replica 0)
     return engine, pooling.warmup(getattr(engine, "replicas", [engine])[0])
 

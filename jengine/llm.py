@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from jengine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from jengine.engine import LLMEngine
+from jengine.data_parallel import build_engine
 from jengine.engine_config import EngineConfig
 from jengine.outputs import RequestOutput
 from jengine.presets import DEFAULT_MODEL
@@ -38,12 +38,7 @@ class LLM:
             raise ValueError(f"unknown LLM argument(s) {unknown}; allowed: {sorted(fields - {'model'})}")
         progress = use_tqdm_on_load
         config = EngineConfig(model=model, **engine_args)
-        if config.data_parallel_size > 1:  # replicas on disjoint device groups, requests balanced across them
-            from jengine.data_parallel import DataParallelEngine
-
-            self.engine = DataParallelEngine(config, progress=progress)
-        else:
-            self.engine = LLMEngine(config, progress=progress)
+        self.engine = build_engine(config, progress=progress)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
