@@ -192,8 +192,6 @@ class EngineProcess:
     `startup_timeout`: seconds to wait for the child's engine (None: as long as it takes)."""
 
     def __init__(self, config, *, progress: bool = True, stats: bool = False, startup_timeout: float | None = None):
-        from jengine.tokenizer import load_tokenizer
-
         t0 = time.perf_counter()
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this process's threads
         child_commands, self._commands = ctx.Pipe(duplex=False)  # (receiving end, sending end)
@@ -221,7 +219,6 @@ class EngineProcess:
         for key, value in payload.items():
             setattr(self, key, value)
         self.startup_seconds = time.perf_counter() - t0  # the child's own, plus starting the process
-        self.tokenizer = load_tokenizer(self.config.model)
         # Each add gets an id of its own in the child, so that outputs of an aborted request still on the
         # way can never be taken for those of a later request under the same id.
         self._wire: dict[str, str] = {}  # request id -> its id in the child, while added and not ended
@@ -237,6 +234,13 @@ class EngineProcess:
         self._reader.start()
 
     # ------------------------------------------------------------------ the engine's interface
+
+    @functools.cached_property
+    def tokenizer(self):
+        """A tokenizer of this process, loaded when first asked for (the server keeps its own)."""
+        from jengine.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.config.model)
 
     def add_request(self, request_id: str, prompt, params=None, *, priority: int = 0,
                     arrival_time: float | None = None) -> None:

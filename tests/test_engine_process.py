@@ -82,7 +82,7 @@ def test_outputs_equal_those_of_the_engine_in_this_process(process, local, kind)
         assert g[11] == pytest.approx(w[11], abs=1e-4) and g[12] == pytest.approx(w[12], abs=1e-4)
 
 
-def test_refused_requests_raise_value_error_and_the_engine_keeps_serving(process):
+def test_refused_requests_raise_value_error_and_the_engine_keeps_serving(process, local):
     params = SamplingParams(temperature=0.0, max_tokens=4)
 
     async def main():
@@ -94,6 +94,7 @@ def test_refused_requests_raise_value_error_and_the_engine_keeps_serving(process
 
     assert asyncio.run(main())[-1].finished
     assert not process.engine.has_unfinished_requests()
+    assert list(process.tokenizer.encode("ok")) == list(local.tokenizer.encode("ok"))  # loaded when asked for
 
 
 def test_breaking_out_of_a_stream_aborts_in_the_child_and_frees_its_pages(process):
