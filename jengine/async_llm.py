@@ -189,18 +189,19 @@ class AsyncLLM:
                 self._handle_commands(block=idle)
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
+                    refused = False
                     for out in outputs:
                         stream = self._streams.get(out.request_id)
-                        if stream is None:
-                            continue
                         if isinstance(out, RequestError):  # refused by an engine in another process
-                            self._streams.pop(out.request_id)
-                            stream.put(out.error)
-                            continue
-                        stream.put(_snapshot(out))
-                        if out.finished:
-                            self._streams.pop(out.request_id, None)
-                    self._log_stats([out for out in outputs if not isinstance(out, RequestError)])
+                            refused = True
+                            if stream is not None:
+                                self._streams.pop(out.request_id)
+                                stream.put(out.error)
+                        elif stream is not None:
+                            stream.put(_snapshot(out))
+                            if out.finished:
+                                self._streams.pop(out.request_id, None)
+                    self._log_stats([o for o in outputs if not isinstance(o, RequestError)] if refused else outputs)
                 else:
                     self._log_stats([])
         except BaseException as e:  # noqa: BLE001 - every failure must reach the callers
