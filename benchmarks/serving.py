@@ -119,19 +119,18 @@ async def one_request(client, url: str, payload: dict) -> dict:
 def prefix_cache_counters(base_url: str) -> tuple[float, float] | None:
     """(prompt tokens looked up, found) in the server's prefix cache, from its /metrics; None without them."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    values = {}
-    for line in text.splitlines():
-        for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
-            if line.startswith(f"jengine:{name}{{"):
-                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    if len(values) < 2:
-        return None
-    return values["prefix_cache_queries_total"], values["prefix_cache_hits_total"]
+    totals = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    names = ("jengine:prefix_cache_queries_total", "jengine:prefix_cache_hits_total")
+    return tuple(totals[n] for n in names) if all(n in totals for n in names) else None
 
 
 def prefix_hit_rate(before, after) -> float | None:
