@@ -11,8 +11,9 @@ from its engine thread as it drives an `LLMEngine`; every call is a message to t
 returns whatever outputs arrived (waiting at most `POLL_SECONDS`). A reader thread empties the child's
 pipe all the time, so neither side can block the other with a full pipe.
 
-On the wire, outputs are tuples of plain values (pickling 200 dataclass outputs costs ~10x more) and a
-request's prompt (text and token ids) travels with its first output only. An error a request causes
+On the wire, outputs are tuples (pickling 200 dataclass outputs cost ~10x more on a CPU: RESULTS.md,
+session 29), their logprobs the engine's flat lists, and a request's prompt (text and token ids)
+travels with its first output only. An error a request causes
 (`add_request`'s validation) comes back as a `RequestError` among the outputs. If the child dies, the
 next `step()` raises `EngineDeadError` and `AsyncLLM` fails every request.
 
@@ -258,9 +259,6 @@ class EngineProcess:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._wire)
-
-    def num_unfinished_requests(self) -> int:
-        return len(self._wire)
 
     def step(self) -> list[RequestOutput | RequestError]:
         """The outputs that arrived, waiting at most POLL_SECONDS for the first."""
