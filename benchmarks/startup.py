@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     own = child_argv(argv)  # the children print; only the parent writes the file
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="jengine-xla-cache-")
-    if args.cache_dir is None or not os.listdir(cache_dir):
+    if args.cache_dir is None or not os.path.isdir(cache_dir) or not os.listdir(cache_dir):
         print(f"compilation cache: {cache_dir} (empty)")
     else:
         print(f"warning: {cache_dir} is not empty, so the 'cold' run is not cold")

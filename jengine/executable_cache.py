@@ -1,10 +1,19 @@
-"""Compiled step programs on disk, keyed before lowering, so that a warm start skips lowering too.
+"""Compiled step programs on disk, keyed before tracing, so that a warm start neither traces, lowers
+nor compiles them.
 
 JAX's persistent compilation cache (`engine._enable_compilation_cache`) keys on the lowered module,
-so every start still lowers every program: on an H200 ~0.3-0.4 s of Python per bucket for the Pallas
-Mosaic GPU kernel alone. This cache keys on the *traced* program (its jaxpr and everything else that
-decides what XLA builds from it) and keeps the serialized executable: a hit costs a trace, a hash
-and a load. A miss is lowered and compiled as before (through JAX's cache) and then stored.
+so every start still traces and lowers every program: on an H200 most of a warm start's time
+(RESULTS.md, sessions 28 and 30). This cache keys on what the trace is a function of, known before it
+runs, and keeps the serialized executable: a hit costs a hash and a load. A miss is traced, lowered
+and compiled as before (through JAX's cache) and then stored.
+
+What the key covers (`ExecutableCache.key`): the program's name, the values it closes over (the model
+config, the mesh) and its static arguments; its inputs (pytree structure; per leaf shape, dtype, weak
+type and sharding with device ids); the source of jengine's own Python files (`code_digest`) and of
+the model family's; the versions of JAX and the libraries it traces through; JAX's trace context; the
+platform and its devices; XLA_FLAGS; the compiler options. It does not see a module changed at run
+time without its file (a monkeypatched function, a module constant set by a script): run such code
+with `compilation_cache_dir=None`, or a directory of its own.
 
 Entries are pickles, as `jax.experimental.serialize_executable` makes them: loading one can run
 code, so point the cache only at a directory you own. A read that fails in any way is a miss and a
@@ -13,7 +22,10 @@ write that fails is skipped; both are logged, neither stops the engine.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
+import inspect
 import json
 import logging
 import os
@@ -21,26 +33,26 @@ import pickle
 import re
 import tempfile
 import threading
+from collections.abc import Iterable, Sequence
 
 import jax
 import jaxlib
-import numpy as np
 from jax.experimental import serialize_executable
-from jax.extend.core import subjaxprs
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # of the entry files; part of the key, so a new layout never reads an old file
+FORMAT = 2  # of the keys and entry files; part of the key, so a new layout never reads an old file
 # JAX records both in the thread that asked to compile: a compile that went to its persistent cache
 # (a request), and one that the cache served (a hit). A compile that records neither was served from
 # JAX's in-memory caches: the same program, traced and compiled earlier in this process.
 _JAX_CACHE_REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
 _JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _compiling = threading.local()  # .jax_cache_request / .jax_cache_hit: what this thread's last compile did
+# Libraries whose code runs while a program is traced and lowered (besides jax, jaxlib and their
+# plugins, found by name): a new version may build another program from the same source.
+_TRACED_THROUGH = ("flax", "numpy", "ml-dtypes")
 
 # Object reprs name their address (`<function f at 0x7f...>`), which differs from process to process.
-# JAX's jaxpr printer already masks them in equation params; the trace context (an AxisEnv object)
-# still prints one. Masked the same way, so a restarted engine computes the same key.
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -56,29 +68,75 @@ def _device_ids(sharding) -> list[int] | None:
         return None
 
 
-def _describe(x, sharding=None) -> str:
-    ids = _device_ids(x if sharding is None else sharding)
-    text = _mask_addresses(repr(x))
+def _describe_sharding(sharding) -> str:
+    ids = _device_ids(sharding)
+    text = _mask_addresses(repr(sharding))
     return text if ids is None else f"{text} devices={ids}"
 
 
-def _jaxprs(jaxpr):
-    """The jaxpr and every jaxpr nested in its equations' params, each once."""
-    seen, todo = set(), [jaxpr]
-    while todo:
-        j = todo.pop()
-        if id(j) not in seen:
-            seen.add(id(j))
-            yield j
-            todo.extend(subjaxprs(j))
+def _describe_leaf(x) -> str:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        aval = jax.core.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)
+    else:
+        try:
+            aval = jax.typeof(x)
+        except TypeError:  # not an array
+            return f"value {_mask_addresses(repr(x))}"
+    sharding = getattr(x, "sharding", None)
+    return f"{aval.str_short()} weak={aval.weak_type} {'host' if sharding is None else _describe_sharding(sharding)}"
 
 
-def _const_bytes(const) -> bytes:
-    try:
-        a = np.asarray(const)
-        return f"{a.dtype.str}{a.shape}".encode() + np.ascontiguousarray(a).tobytes()
-    except Exception:  # not an array (e.g. a typed PRNG key): its repr is all there is
-        return repr(const).encode()
+def describe(tree) -> str:
+    """A program input as far as the compiled program depends on it: the pytree's structure and, per
+    leaf, shape, dtype, weak type and sharding (with device ids; `host` for a numpy array). An array
+    and a `jax.ShapeDtypeStruct` of its shape, dtype and sharding describe alike."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return json.dumps([str(treedef), [_describe_leaf(x) for x in leaves]])
+
+
+def _package_files() -> dict[str, str]:
+    """jengine's Python files (the engine, models, kernels): real path -> name inside its package."""
+    import jengine
+    import jengine.kernels_pallas
+    import jengine.models
+
+    files = {}
+    for package in (jengine, jengine.models, jengine.kernels_pallas):
+        for root in package.__path__:
+            root = os.path.realpath(root)
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+                for name in filenames:
+                    if name.endswith(".py"):
+                        path = os.path.join(dirpath, name)
+                        files.setdefault(path, f"{package.__name__}/{os.path.relpath(path, root)}")
+    return files
+
+
+def _file_hash(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@functools.cache
+def code_digest() -> str:
+    """sha256 over the source of jengine's Python files (an edit to the engine, a model or a kernel
+    makes every key new) and the versions of the libraries that trace and lower them. Once a process."""
+    files = sorted((name, _file_hash(path)) for path, name in _package_files().items())
+    versions = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("jax") or name in _TRACED_THROUGH:
+            versions[name] = dist.version
+    versions.update(jax=jax.__version__, jaxlib=jaxlib.__version__)  # as imported
+    return hashlib.sha256(json.dumps([files, sorted(versions.items())]).encode()).hexdigest()
+
+
+def source_digest(functions: Iterable) -> str:
+    """sha256 over the files that define `functions` (a model family registered from outside jengine
+    is not in `code_digest`)."""
+    paths = sorted({os.path.realpath(inspect.getsourcefile(inspect.unwrap(f))) for f in functions})
+    return hashlib.sha256(json.dumps([_file_hash(p) for p in paths]).encode()).hexdigest()
 
 
 def _trace_context() -> str:
@@ -87,6 +145,13 @@ def _trace_context() -> str:
     from jax._src import config  # no public name for it
 
     return _mask_addresses(repr(list(zip(config.trace_context_names(), config.trace_context(), strict=True))))
+
+
+def _describe_closure(x) -> str:
+    """A value a program closes over by its repr; a mesh with its devices in order."""
+    if isinstance(x, jax.sharding.Mesh):
+        return f"{_mask_addresses(repr(x))} devices={[d.id for d in x.devices.flat]}"
+    return _mask_addresses(repr(x))
 
 
 def _note_jax_cache_event(event: str, **_) -> None:
@@ -150,40 +215,31 @@ class ExecutableCache:
     def __init__(self, directory: str):
         self.directory = os.path.expanduser(directory)
 
-    def key(self, traced: jax.stages.Traced, compiler_options: dict | None = None) -> str | None:
-        """sha256 over everything that decides the compiled program; None if this JAX lacks an internal
-        read here (the program is then compiled and not stored, rather than keyed on less).
-
-        The jaxpr text (nested jaxprs, Pallas kernel bodies included: the printer hoists them) and the
-        values of its constants, which the text shows only as shapes (RoPE frequencies are one); the
-        arguments (avals, donation, shardings with device ids, layouts, committedness) and the pytrees
-        around them; jit's own params (output shardings, layouts); JAX's trace context; jax/jaxlib
-        versions; the platform and its devices; XLA_FLAGS; the compiler options.
-        """
+    def key(self, program: str, inputs: Sequence[str], *, closure=(), statics=(),
+            compiler_options: dict | None = None) -> str | None:
+        """sha256 naming one compiled program, computed before it is traced: `program` (the function's
+        name), `inputs` (`describe` of each argument), `closure` (the values the function closes over:
+        the model config, the mesh, the model family's `source_digest`) and `statics` (its static
+        arguments), each by its repr, with everything the module docstring lists. None if this JAX
+        lacks an internal read here (the program is then compiled and not stored)."""
         try:
-            parts = {
-                "format": FORMAT,
-                "jaxpr": _mask_addresses(str(traced.jaxpr)),
-                "args": _mask_addresses(repr(traced.args_info)),
-                "inputs": [_describe(t, t.sharding) for t in traced._meta_tys_flat],
-                "params": {k: [_describe(x) for x in v] if isinstance(v, tuple) else _describe(v)
-                           for k, v in sorted(traced._params.items()) if k != "jaxpr"},
-                "trees": [str(traced.in_tree), str(traced.out_tree)],
-                "outputs": [_describe(x, x.sharding) for x in jax.tree.leaves(traced.out_info)],
-                "trace_context": _trace_context(),
-                "versions": [jax.__version__, jaxlib.__version__],
-                "platform": _platform(),
-                "env": [os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", "")],
-                "compiler_options": compiler_options or {},
-            }
-            consts = [c for jaxpr in _jaxprs(traced.jaxpr) for c in jaxpr.consts] + list(traced._consts)
-        except AttributeError as e:
-            logger.warning("executable cache: cannot key %s (%s); compiling it", traced.fun_name, e)
+            context = _trace_context()
+        except (AttributeError, ImportError, TypeError) as e:
+            logger.warning("executable cache: cannot key %s (%s); compiling it", program, e)
             return None
-        h = hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode())
-        for const in consts:
-            h.update(_const_bytes(const))
-        return h.hexdigest()
+        parts = {
+            "format": FORMAT,
+            "code": code_digest(),
+            "program": program,
+            "closure": [_describe_closure(x) for x in closure],
+            "statics": _mask_addresses(repr(tuple(statics))),
+            "inputs": list(inputs),
+            "trace_context": context,
+            "platform": _platform(),
+            "env": [os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", "")],
+            "compiler_options": compiler_options or {},
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
 
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, f"{key}.jexe")
@@ -246,4 +302,4 @@ class ExecutableCache:
             logger.info("executable cache: not storing %s (%s: %s)", key, type(e).__name__, e)
 
 
-__all__ = ["ExecutableCache"]
+__all__ = ["ExecutableCache", "code_digest", "describe", "source_digest"]

@@ -8,6 +8,7 @@ scheduler in between.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -63,7 +64,7 @@ def hidden_states(cfg: ModelConfig, params: dict, token_ids, mesh=None, programs
 
     `mesh`: the tensor-parallel mesh the params are sharded over (then `cfg` is the model the devices
     hold, `sharding.sharded_model_config`). `programs`: compiled ones by padded length
-    (`trace_hidden_states`), used where they hold the length."""
+    (`hidden_states_program`), used where they hold the length."""
     ids = _check_ids(cfg, token_ids)
     args = _hidden_args(cfg, params, ids, mesh)
     program = (programs or {}).get(_bucket(len(ids)))
@@ -71,9 +72,11 @@ def hidden_states(cfg: ModelConfig, params: dict, token_ids, mesh=None, programs
     return np.asarray(hidden, np.float32)[: len(ids)]
 
 
-def trace_hidden_states(cfg: ModelConfig, params: dict, length: int, mesh=None) -> jax.stages.Traced:
-    """The traced `hidden_states` program of one padded length (to compile ahead of time)."""
-    return _hidden.trace(*_hidden_args(cfg, params, [0] * length, mesh), cfg=cfg, mesh=mesh)
+def hidden_states_program(cfg: ModelConfig, params: dict, length: int, mesh=None) -> tuple[tuple, Callable]:
+    """The `hidden_states` program of one padded length, to compile ahead of time: its arguments, and a
+    function that traces it over them."""
+    args = _hidden_args(cfg, params, [0] * length, mesh)
+    return args, lambda: _hidden.trace(*args, cfg=cfg, mesh=mesh)
 
 
 def _hidden_args(cfg: ModelConfig, params: dict, ids: list[int], mesh) -> tuple:

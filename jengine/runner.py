@@ -27,7 +27,7 @@ from jengine import kv_cache, sharding
 from jengine.buckets import shape_pairs
 from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
-from jengine.executable_cache import ExecutableCache, reload, stores_loaded_executables
+from jengine.executable_cache import ExecutableCache, describe, reload, source_digest, stores_loaded_executables
 from jengine.models import get_model_family
 from jengine.sampler import (
     SamplerSwitches,
@@ -202,6 +202,7 @@ class ModelRunner:
                                **smp)
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}  # filled by warmup(), in parallel
+        self._key_context = None  # (params described, closure) of every program's cache key, made once (`_key`)
         self.warmup_lowering_seconds = 0.0  # warm-up's time tracing and lowering (one thread), for reports
         self.warmup_first_runs_seconds = 0.0  # warm-up's time running every program once, for reports
 
@@ -228,16 +229,18 @@ class ModelRunner:
         hidden = jax.ShapeDtypeStruct((bucket[0], self.cfg.hidden_size), self.cfg.dtype, sharding=self._replicated)
         return logits, hidden
 
-    def _spec(self, x) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated)
-
-    def trace_forward(self, bucket: tuple[int, int]) -> tuple[tuple, jax.stages.Traced]:
-        """The forward program of a (T, S) bucket, traced (on the cache's shapes before it is allocated):
-        its key in the compiled programs, and the traced program."""
+    def _forward_args(self, bucket: tuple[int, int]) -> tuple[tuple, tuple]:
+        """A (T, S) bucket's forward: its static layout, and its arguments (the cache's shapes before it
+        is allocated)."""
         caches = self.kv_caches if self.kv_caches is not None else self._kv_cache_specs()
         ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
-        traced = self._forward.trace(self.params, caches, ints, floats, self.prev_ids, *self._output_specs(bucket),
-                                     layout=layout)
+        return layout, (self.params, caches, ints, floats, self.prev_ids, *self._output_specs(bucket))
+
+    def trace_forward(self, bucket: tuple[int, int]) -> tuple[tuple, jax.stages.Traced]:
+        """The forward program of a (T, S) bucket, traced: its key in the compiled programs, and the
+        traced program."""
+        layout, args = self._forward_args(bucket)
+        traced = self._forward.trace(*args, layout=layout)
         _, logits, hidden = traced.out_info
         if (logits.shape, logits.dtype, hidden.shape, hidden.dtype) != tuple(
                 x for spec in self._output_specs(bucket) for x in (spec.shape, spec.dtype)):
@@ -298,16 +301,31 @@ class ModelRunner:
                                      top_logprobs=top, small_k=small_k)
         return self._prompt_logprobs
 
-    def compile_traced(self, traced: jax.stages.Traced, compiler_options: dict | None = None) -> jax.stages.Compiled:
-        """One program outside the step buckets (the embedding programs): loaded from the executable
-        cache when it holds it, else lowered, compiled and stored there."""
+    def _key(self, program: str, args: tuple, statics: tuple = (), compiler_options: dict | None = None
+             ) -> str | None:
+        """The executable cache's key of a program over `args` (None: no cache). Every program closes
+        over the model config, the mesh and the model family's source; the params are described once."""
         cache = self.executable_cache
-        key = cache.key(traced, compiler_options) if cache else None
+        if cache is None:
+            return None
+        if self._key_context is None:
+            family = get_model_family(self.cfg.architecture)
+            closure = (self.cfg, self.mesh, source_digest((family.forward, family.compute_logits)))
+            self._key_context = describe(self.params), closure
+        params_text, closure = self._key_context
+        inputs = [params_text if arg is self.params else describe(arg) for arg in args]
+        return cache.key(program, inputs, closure=closure, statics=statics, compiler_options=compiler_options)
+
+    def compile_program(self, program: str, args: tuple, trace, compiler_options: dict | None = None
+                        ) -> jax.stages.Compiled:
+        """One program outside the step buckets (the embedding programs), over `args`: loaded from the
+        executable cache when it holds it, else traced (`trace()`), lowered, compiled and stored there."""
+        cache, key = self.executable_cache, self._key(program, args, (), compiler_options)
         if key is not None and cache.contains(key):
             compiled = cache.load(key)
             if compiled is not None:
                 return compiled
-        lowered = traced.lower()
+        lowered = trace().lower()
         return lowered.compile(compiler_options) if key is None else cache.compile(key, lowered, compiler_options)
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
@@ -319,68 +337,69 @@ class ModelRunner:
         """Compile every program before serving, `workers` at a time (XLA compiles without the GIL):
         the forward per (T, S) bucket, sampling per S in each of its variants and prompt logprobs
         per T (their input shapes come from the forwards' outputs), and the page moves.
-        A program found in the executable cache is loaded instead, with no lowering and no compile.
+        A program found in the executable cache is loaded instead, with no tracing, lowering or compile.
         Every step then runs an executable made here; the KV cache is allocated once they are
         compiled. Returns the number of buckets."""
         buckets = self.buckets()
         workers = workers or max(1, min(16, os.cpu_count() or 1))
         bar = tqdm(total=len(buckets), desc="Compiling buckets", disable=not progress)
         cache = self.executable_cache
-        # This thread traces the programs and lowers those the executable cache lacks, one at a time in a
+        # This thread traces and lowers the programs the executable cache lacks, one at a time in a
         # fixed order, while the pool loads and compiles: lowering is Python (it holds the GIL anyway),
         # and the module text must not depend on what other threads lower meanwhile, since the persistent
         # compilation cache keys on it (concurrent lowerings of the Mosaic GPU attention kernel missed an
         # earlier process's cache).
-        def build_all(programs):
+        def build_all(programs):  # (name, key, trace, compiler options): `trace()` traces the program
             jobs = []
-            for name, traced, opts in programs:
-                key = cache.key(traced, opts) if cache else None
+            for name, key, trace, opts in programs:
                 stored = key is not None and cache.contains(key)
                 if stored:
-                    jobs.append((name, traced, opts, key, stored, pool.submit(cache.load, key)))
+                    jobs.append((name, key, trace, opts, stored, pool.submit(cache.load, key)))
                 else:
-                    jobs.append((name, traced, opts, key, stored, pool.submit(compile_one, traced.lower(), opts, key)))
+                    jobs.append((name, key, trace, opts, stored, pool.submit(compile_one, trace().lower(), opts, key)))
             self.warmup_lowering_seconds = time.perf_counter() - started
-            for name, traced, opts, key, stored, job in jobs:
+            for name, key, trace, opts, stored, job in jobs:
                 compiled = job.result()
                 if stored and compiled is not None:
                     self.executable_cache_hits += 1
                 elif stored:  # an entry that would not load: compiled (and stored again) after all
-                    compiled = compile_one(traced.lower(), opts, key)
+                    compiled = compile_one(trace().lower(), opts, key)
                 yield name, compiled
 
         def compile_one(lowered, opts, key):
             return lowered.compile(opts) if key is None else cache.compile(key, lowered, opts)
 
-        # The forwards are traced first (cheap) for their output shapes. The sampling and prompt-logprob
-        # programs, quick to lower but 1-5 s of XLA compile each, then go to the pool first and compile
-        # while this thread lowers the forwards (~1-2 s each on an H200, their Mosaic GPU kernels most of
-        # it). Lowered last instead, their compiles piled up after the forwards': the engine started ~10 s
-        # later (RESULTS.md, session 25).
+        # The sampling and prompt-logprob programs, quick to lower but 1-5 s of XLA compile each, go to
+        # the pool first and compile while this thread lowers the forwards (~1-2 s each on an H200, their
+        # Mosaic GPU kernels most of it). Lowered last instead, their compiles piled up after the
+        # forwards': the engine started ~10 s later (RESULTS.md, session 25).
         started = time.perf_counter()
         forwards, logits_of, hidden_of, twinned = [], {}, {}, set()
         for bucket in buckets:
-            name, traced = self.trace_forward(bucket)
+            layout, args = self._forward_args(bucket)
             if self._twinned(bucket):
-                twinned.add(name)
-            _, logits, hidden = traced.out_info
-            logits_of.setdefault(bucket[1], self._spec(logits))
-            hidden_of.setdefault(bucket[0], self._spec(hidden))
-            forwards.append((name, traced, forward_compiler_options(bucket[0])))
+                twinned.add(("forward", layout))
+            logits_of.setdefault(bucket[1], args[-2])
+            hidden_of.setdefault(bucket[0], args[-1])
+            opts = forward_compiler_options(bucket[0])
+            forwards.append((("forward", layout), self._key("forward", args, (layout,), opts),
+                             functools.partial(lambda b: self.trace_forward(b)[1], bucket), opts))
 
         def samplers():
             for s, logits in logits_of.items():
                 for variant in SAMPLER_VARIANTS:
                     s_ints, s_floats, s_layout = self._dummy_sampling(s, variant)
-                    traced = self._sample.trace(logits, s_ints, s_floats, self.prev_ids, layout=s_layout,
-                                                filter_k=variant[0], filter_p=variant[1], random=variant[2],
-                                                top_logprobs=variant[3], small_k=variant[4])
-                    yield ("sample", s_layout, *variant), traced, None
+                    args = (logits, s_ints, s_floats, self.prev_ids)
+                    trace = functools.partial(self._sample.trace, *args, layout=s_layout, filter_k=variant[0],
+                                              filter_p=variant[1], random=variant[2], top_logprobs=variant[3],
+                                              small_k=variant[4])
+                    yield ("sample", s_layout, *variant), self._key("sample", args, (s_layout, *variant)), trace, None
 
         def prompt_logprobs():
             for t, hidden in hidden_of.items():
-                traced = self._prompt_logprobs.trace(self.params, hidden, np.zeros(t, np.int32))
-                yield ("prompt_logprobs", t), traced, None
+                args = (self.params, hidden, np.zeros(t, np.int32))
+                trace = functools.partial(self._prompt_logprobs.trace, *args)
+                yield ("prompt_logprobs", t), self._key("prompt_logprobs", args), trace, None
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             twins = {}

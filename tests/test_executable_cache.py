@@ -1,12 +1,14 @@
-"""The executable cache: a warm start loads every step program without lowering or compiling it.
+"""The executable cache: a warm start loads every step program without tracing, lowering or compiling it.
 
-Engine starts run in fresh processes (with different string-hash seeds), so a hit also proves that the
-key of a traced program is the same in another process. The key and file tests run in this process on
-small jitted functions.
+Engine starts run in fresh processes (with different string-hash seeds), so a hit also proves that a
+program's key is the same in another process. The key and file tests run in this process on small
+jitted functions.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -19,20 +21,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.executable_cache import ExecutableCache
+from jengine import executable_cache
+from jengine.config import ModelConfig
+from jengine.executable_cache import ExecutableCache, code_digest, describe, source_digest
 
 _SCRIPT = """
-import json, os, sys, jax
-lowerings = []
+import functools, json, os, sys, jax
+lowerings, traces = [], []
 lower = jax.stages.Traced.lower
 jax.stages.Traced.lower = lambda self, *a, **k: lowerings.append(1) or lower(self, *a, **k)
+import jengine.runner
+for name in ("_forward", "_sample", "_prompt_logprobs"):  # each runs only while its program is traced
+    fn = getattr(jengine.runner, name)
+    setattr(jengine.runner, name, functools.wraps(fn)(lambda *a, _fn=fn, **k: traces.append(1) or _fn(*a, **k)))
 from jengine import LLM, SamplingParams
 llm = LLM("jengine/tiny-llama", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,),
           seq_buckets=(2,), compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
 out = llm.generate(["The cache"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
 runner = llm.engine.runner
 print(json.dumps({"hits": runner.executable_cache_hits, "programs": len(runner._compiled),
-                  "lowerings": len(lowerings), "tokens": out[0].outputs[0].token_ids}))
+                  "lowerings": len(lowerings), "traces": len(traces), "tokens": out[0].outputs[0].token_ids}))
 """
 
 
@@ -59,14 +67,15 @@ def test_first_start_stores_one_file_per_program(cold):
     first, cache_dir = cold
     assert first["hits"] == 0
     assert first["lowerings"] == first["programs"] == len(_entries(cache_dir)) == 12  # 1 forward, 10 samplers, 1
+    assert first["traces"] == first["programs"]
 
 
-def test_second_start_loads_every_program_without_lowering(cold, tmp_path):
+def test_second_start_loads_every_program_without_tracing_or_lowering(cold, tmp_path):
     first, cold_dir = cold
     shutil.copytree(cold_dir, tmp_path, dirs_exist_ok=True)
     second = _start(tmp_path, hash_seed=2)
     assert second["hits"] == second["programs"] == first["programs"]
-    assert second["lowerings"] == 0
+    assert second["lowerings"] == second["traces"] == 0
     assert second["tokens"] == first["tokens"]
 
 
@@ -76,7 +85,7 @@ def test_corrupt_entry_is_compiled_again_and_rewritten(cold, tmp_path):
     bad = _entries(tmp_path)[0]  # the program is really compiled, so it can be stored again
     bad.write_bytes(bad.read_bytes()[:1000])
     third = _start(tmp_path, hash_seed=3)
-    assert third["hits"] == first["programs"] - 1 and third["lowerings"] == 1
+    assert third["hits"] == first["programs"] - 1 and third["lowerings"] == third["traces"] == 1
     assert third["tokens"] == first["tokens"]
     assert ExecutableCache(tmp_path / "jengine-executables").load(bad.stem) is not None
 
@@ -90,33 +99,71 @@ def _fresh(fn):
     return lambda x, *rest: fn(x + salt, *rest)
 
 
-def _key(fn, *args, options=None, **jit_kw):
-    return ExecutableCache("unused").key(jax.jit(fn, **jit_kw).trace(*args), options)
+def _key(*args, program="f", **kw):
+    return ExecutableCache("unused").key(program, [describe(a) for a in args], **kw)
 
 
-def test_key_is_equal_for_identical_programs_and_changes_with_what_matters(monkeypatch):
-    f = lambda x: jnp.sin(x) * 2.0  # noqa: E731
-    x8, x16 = jnp.ones(8), jnp.ones(16)
-    base = _key(f, x8)
-    assert _key(lambda x: jnp.sin(x) * 2.0, x8) == base  # another jit of the same program
-    assert _key(f, x16) != base  # another bucket shape
-    assert _key(f, x8.astype(jnp.bfloat16)) != base
-    assert _key(f, x8, donate_argnums=0) != base
-    assert _key(f, x8, options={"xla_gpu_enable_triton_gemm": False}) != base
+def test_key_is_equal_for_equal_programs_and_changes_with_what_matters(monkeypatch):
+    x8 = jnp.ones(8)
+    base = _key(x8, closure=("cfg",), statics=(3,))
+    assert _key(jnp.zeros(8), closure=("cfg",), statics=(3,)) == base  # values of the inputs do not matter
+    assert _key(jax.ShapeDtypeStruct((8,), jnp.float32, sharding=x8.sharding), closure=("cfg",), statics=(3,)) == base
+    assert _key(x8, closure=("cfg",), statics=(3,), program="g") != base
+    assert _key(jnp.ones(16), closure=("cfg",), statics=(3,)) != base  # another bucket shape
+    assert _key(x8.astype(jnp.bfloat16), closure=("cfg",), statics=(3,)) != base
+    assert _key(np.ones(8, np.float32), closure=("cfg",), statics=(3,)) != base  # a host array, not a device one
+    assert _key((x8,), closure=("cfg",), statics=(3,)) != base  # another pytree around the same leaf
+    assert _key(x8, closure=("other cfg",), statics=(3,)) != base
+    assert _key(x8, closure=("cfg",), statics=(4,)) != base
+    assert _key(x8, closure=("cfg",), statics=(3,), compiler_options={"xla_gpu_enable_triton_gemm": False}) != base
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
-    assert _key(f, x8) != base
+    assert _key(x8, closure=("cfg",), statics=(3,)) != base
+    monkeypatch.delenv("XLA_FLAGS")
+    with jax.default_matmul_precision("highest"):  # JAX's trace context
+        assert _key(x8, closure=("cfg",), statics=(3,)) != base
 
 
-def test_key_covers_constants_the_jaxpr_text_shows_only_as_shapes():
-    # RoPE frequencies are such a constant: a new rope_theta must not load the old program
-    def with_table(theta):
-        table = 1.0 / theta ** (np.arange(8) / 8)
-        return lambda x: x * table
+def test_a_model_config_is_keyed_on_every_field():
+    # the key shows the config by its repr: a field left out of it (repr=False) would let a model that
+    # differs only there load another model's programs
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    text = repr(cfg)
+    assert all(f"{field.name}=" in text for part in (cfg, cfg.rope) for field in dataclasses.fields(part))
+    other = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, theta=5e5))
+    assert _key(jnp.ones(2), closure=(cfg,)) != _key(jnp.ones(2), closure=(other,))
 
-    x = jnp.ones(8)
-    assert str(jax.jit(with_table(1e4)).trace(x).jaxpr) == str(jax.jit(with_table(5e5)).trace(x).jaxpr)
-    assert _key(with_table(1e4), x) != _key(with_table(5e5), x)
-    assert _key(with_table(1e4), x) == _key(with_table(1e4), x)
+
+def test_code_digest_changes_with_any_source_file(monkeypatch, tmp_path):
+    source = tmp_path / "kernel.py"
+    source.write_text("TILE = 64\n")
+    monkeypatch.setattr(executable_cache, "_package_files", lambda: {str(source): "jengine/kernel.py"})
+    try:
+        code_digest.cache_clear()
+        before = code_digest()
+        code_digest.cache_clear()
+        assert code_digest() == before
+        source.write_text("TILE = 128\n")
+        code_digest.cache_clear()
+        assert code_digest() != before
+    finally:
+        code_digest.cache_clear()
+
+
+def test_code_digest_covers_the_engine_models_and_kernels():
+    names = set(executable_cache._package_files().values())
+    assert {"jengine/runner.py", "jengine.models/llama.py", "jengine.kernels_pallas/swiglu_matmul.py",
+            "jengine.kernels_pallas/ragged_paged_attention/gpu_mosaic.py"} <= names
+
+
+def test_source_digest_follows_the_family_module_file(monkeypatch, tmp_path):
+    module = tmp_path / "my_family.py"
+    module.write_text("def forward(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    forward = importlib.import_module("my_family").forward
+    before = source_digest([forward])
+    module.write_text("def forward(x):\n    return x + 1\n")
+    assert source_digest([forward]) != before
 
 
 def test_stored_program_loads_and_runs(tmp_path):
@@ -124,7 +171,7 @@ def test_stored_program_loads_and_runs(tmp_path):
     f = jax.jit(_fresh(lambda x, y: (x @ y, x.sum())), donate_argnums=0)
     x, y = jnp.arange(16.0).reshape(4, 4), jnp.eye(4)
     traced = f.trace(x, y)
-    key = cache.key(traced)
+    key = _key(x, y)
     compiled = cache.compile(key, traced.lower())
     loaded = cache.load(key)
     assert loaded is not None and loaded.out_info == compiled.out_info
@@ -135,7 +182,7 @@ def test_stored_program_loads_and_runs(tmp_path):
 def test_unreadable_entries_are_misses(tmp_path):
     cache = ExecutableCache(tmp_path)
     traced = jax.jit(_fresh(lambda x: x + 1)).trace(jnp.ones(4))
-    key = cache.key(traced)
+    key = _key(jnp.ones(4))
     assert cache.load(key) is None  # nothing stored yet
     cache.compile(key, traced.lower())
     entry = tmp_path / f"{key}.jexe"
@@ -152,29 +199,30 @@ def test_store_failure_is_ignored(tmp_path):
     (tmp_path / "file").write_text("")
     cache = ExecutableCache(tmp_path / "file" / "cache")  # cannot be created
     traced = jax.jit(_fresh(lambda x: x * 3)).trace(jnp.ones(4))
-    compiled = cache.compile(cache.key(traced), traced.lower())
+    compiled = cache.compile(_key(jnp.ones(4)), traced.lower())
     assert float(compiled(jnp.ones(4))[0]) == pytest.approx(3.0, abs=1e-2)
 
 
 def test_no_key_without_the_jax_internals_it_reads(monkeypatch):
     # a JAX without them must not get a key built from less (the program is then compiled, not stored)
-    traced = jax.jit(lambda x: x + 1).trace(jnp.ones(4))
-    monkeypatch.delattr(jax.stages.Traced, "_meta_tys_flat")
-    assert ExecutableCache("unused").key(traced) is None
+    from jax._src import config
+
+    monkeypatch.delattr(config, "trace_context_names")
+    assert _key(jnp.ones(4)) is None
 
 
 _JIT_FIRST = """
 import sys, jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_compilation_cache_dir", sys.argv[1] + "/jax")
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-from jengine.executable_cache import ExecutableCache
+from jengine.executable_cache import ExecutableCache, describe
 cache = ExecutableCache(sys.argv[1] + "/exe")
 f = jax.jit(lambda x, i: jnp.take(jnp.cos(x), i, axis=0) * 3.0 + x[:4].sum())
 x, i = jnp.arange(64.0).reshape(8, 8), jnp.array([3, 1, 2, 0])
 if sys.argv[2] == "jit-first":  # JAX's cache serves this call; compiling the program again reuses it in memory
     f(x, i)
 traced = f.trace(x, i)
-key = cache.key(traced)
+key = cache.key("f", [describe(x), describe(i)])
 print(float(np.asarray((cache.load(key) or cache.compile(key, traced.lower()))(x, i)).sum()))
 """
 

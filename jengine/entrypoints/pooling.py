@@ -2,8 +2,8 @@
 
 Runs the single-sequence path of `jengine.generate` on the engine thread (it uses the engine's params
 and the device). `warmup` compiles every padded length up front, so serving embeddings never compiles,
-through the engine's executable cache: a warm start loads them (traced and lowered, with JAX's cache
-serving the compiles, they took 1.3-2.0 s each on an H200: RESULTS.md, session 29).
+through the engine's executable cache: a warm start loads them, untraced (traced and lowered, with JAX's
+cache serving the compiles, they took 1.3-2.0 s each on an H200: RESULTS.md, session 29).
 Engines made of other engines provide `embed(token_ids)` themselves: data-parallel replicas embed on
 replica 0, a multi-host leader first tells its followers to run the same program.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jengine.generate import hidden_states, padded_lengths, trace_hidden_states
+from jengine.generate import hidden_states, hidden_states_program, padded_lengths
 
 
 def embed(engine, token_ids: list[int]) -> list[float]:
@@ -34,6 +34,6 @@ def warmup(engine) -> int:
     runner; returns how many."""
     runner = engine.runner
     runner.embedding_programs = {
-        n: runner.compile_traced(trace_hidden_states(runner.cfg, runner.params, n, runner.mesh))
+        n: runner.compile_program("hidden_states", *hidden_states_program(runner.cfg, runner.params, n, runner.mesh))
         for n in padded_lengths(engine.config.max_model_len)}
     return len(runner.embedding_programs)
