@@ -144,7 +144,8 @@ class ModelRunner:
     hidden states are written over donated buffers per bucket, and the sampled ids over one donated
     `[max_seqs]` buffer. A program's temporaries are allocated per run, and while one step runs the
     next one's take another place, the two places alternating; so on GPUs the forward of each bucket
-    that decode steps can use (T <= the largest S) is loaded twice (`executable_cache.reload`) and the
+    that decode steps can use (T <= the largest S) is loaded twice (from its executable-cache entry, or
+    `executable_cache.reload` of the copy compiled at warm-up) and the
     bucket's steps take the two copies in turn, each with its own graph, which then finds its
     temporaries where it left them. Prefill buckets run long enough to hide re-recording, and each
     copy costs start-up time. The packed inputs, fresh arrays each step, mostly land where the last
@@ -353,18 +354,22 @@ class ModelRunner:
             jobs = []
             for name, key, trace, opts in programs:
                 stored = key is not None and cache.contains(key)
-                if stored:
-                    jobs.append((name, key, trace, opts, stored, pool.submit(cache.load, key)))
+                if stored:  # a twinned forward's second copy loads from the entry too, alongside the first
+                    job = pool.submit(cache.load, key)
+                    twin = pool.submit(cache.load, key) if name in twinned else None
                 else:
-                    jobs.append((name, key, trace, opts, stored, pool.submit(compile_one, trace().lower(), opts, key)))
+                    job, twin = pool.submit(compile_one, trace().lower(), opts, key), None
+                jobs.append((name, key, trace, opts, stored, job, twin))
             self.warmup_lowering_seconds = time.perf_counter() - started
-            for name, key, trace, opts, stored, job in jobs:
+            for name, key, trace, opts, stored, job, twin in jobs:
                 compiled = job.result()
                 if stored and compiled is not None:
                     self.executable_cache_hits += 1
                 elif stored:  # an entry that would not load: compiled (and stored again) after all
                     compiled = compile_one(trace().lower(), opts, key)
-                yield name, compiled
+                if name in twinned and (twin is None or twin.result() is None):
+                    twin = pool.submit(reload, compiled)  # serialized from the one compiled here
+                yield name, compiled, twin
 
         def compile_one(lowered, opts, key):
             return lowered.compile(opts) if key is None else cache.compile(key, lowered, opts)
@@ -403,10 +408,10 @@ class ModelRunner:
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             twins = {}
-            for name, compiled in build_all(itertools.chain(samplers(), prompt_logprobs(), forwards)):
+            for name, compiled, twin in build_all(itertools.chain(samplers(), prompt_logprobs(), forwards)):
                 self._compiled[name] = compiled
-                if name in twinned:
-                    twins[name[1]] = pool.submit(reload, compiled)
+                if twin is not None:
+                    twins[name[1]] = twin
                 if name[0] == "forward":
                     bar.update()
             self._twins.update((layout, job.result()) for layout, job in twins.items())
