@@ -28,6 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"))
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compilation-cache-dir", default=EngineConfig.compilation_cache_dir,
+                        help="where compiled programs are kept between starts (JAX's cache and jengine's "
+                             f"executables; default {EngineConfig.compilation_cache_dir}); 'none' turns it off")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="devices to split the model over (must divide the device count and the query heads)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -67,7 +70,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                 preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
-                data_parallel_size=args.data_parallel_size)
+                data_parallel_size=args.data_parallel_size,
+                compilation_cache_dir=None if args.compilation_cache_dir.lower() in ("", "none")
+                else args.compilation_cache_dir)
 
 
 def _generate(args: argparse.Namespace) -> int:

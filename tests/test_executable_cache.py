@@ -255,3 +255,18 @@ def test_a_program_jax_handed_back_from_memory_is_stored_only_where_loaded_copie
     shutil.rmtree(tmp_path / "exe")
     assert run("jit-first") == first
     assert run("plain") == first  # loads whatever the jit-first process stored
+
+
+def test_the_command_line_sets_or_turns_off_the_cache_directory():
+    import argparse
+
+    from jengine.cli import add_engine_args, engine_kwargs
+    from jengine.engine_config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cache_dir = lambda *argv: engine_kwargs(parser.parse_args(list(argv)))["compilation_cache_dir"]  # noqa: E731
+    assert cache_dir() == EngineConfig.compilation_cache_dir
+    assert cache_dir("--compilation-cache-dir", "/srv/cache") == "/srv/cache"
+    assert cache_dir("--compilation-cache-dir", "none") is None
+    assert cache_dir("--compilation-cache-dir", "None") is None
