@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jengine.config import ModelConfig
-from jengine.kv_cache import allocate
+from jengine.kv_cache import allocate, specs
 from jengine.models import ModelInput, get_model_family
 from jengine.sharding import kv_cache_sharding, replicated
 from jengine.step_input import build_step_input
@@ -73,9 +73,11 @@ def hidden_states(cfg: ModelConfig, params: dict, token_ids, mesh=None, programs
 
 
 def hidden_states_program(cfg: ModelConfig, params: dict, length: int, mesh=None) -> tuple[tuple, Callable]:
-    """The `hidden_states` program of one padded length, to compile ahead of time: its arguments, and a
-    function that traces it over them."""
-    args = _hidden_args(cfg, params, [0] * length, mesh)
+    """The `hidden_states` program of one padded length, to compile ahead of time: its arguments (the
+    scratch cache as shapes only), and a function that traces it over them."""
+    num_pages = _bucket(length) // PAGE_SIZE
+    caches = specs(cfg, num_pages, PAGE_SIZE, cfg.dtype, None if mesh is None else kv_cache_sharding(mesh))
+    args = (params, caches, _sequence_input([0] * length, 0, num_pages))
     return args, lambda: _hidden.trace(*args, cfg=cfg, mesh=mesh)
 
 

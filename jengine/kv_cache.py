@@ -128,6 +128,12 @@ def num_host_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> int:
     return int(ecfg.swap_space * (1 << 30)) // page_bytes(cfg, ecfg.block_size, dtype)
 
 
+def specs(cfg: ModelConfig, num_pages: int, block_size: int, dtype, sharding=None) -> list[jax.ShapeDtypeStruct]:
+    """The shapes of `allocate`'s arrays (to trace programs over a cache that does not exist yet)."""
+    shape = kv_cache_shape(num_pages, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)] * cfg.num_hidden_layers
+
+
 def allocate(cfg: ModelConfig, num_pages: int, block_size: int, dtype, sharding=None) -> list[jax.Array]:
     """One zeroed cache array per layer (`sharding`: split by KV heads under tensor parallelism)."""
     shape = kv_cache_shape(num_pages, block_size, cfg.num_key_value_heads, cfg.head_dim)

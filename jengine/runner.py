@@ -212,12 +212,6 @@ class ModelRunner:
             self.kv_caches = kv_cache.allocate(self.cfg, self.num_pages, self.ecfg.block_size, self.kv_dtype,
                                                self._cache_sharding)
 
-    def _kv_cache_specs(self) -> list[jax.ShapeDtypeStruct]:
-        shape = kv_cache.kv_cache_shape(self.num_pages, self.ecfg.block_size, self.cfg.num_key_value_heads,
-                                        self.cfg.head_dim)
-        spec = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self._cache_sharding)
-        return [spec] * self.cfg.num_hidden_layers
-
     def _put(self, x):
         """Host arrays copied onto the device (every device of the mesh, replicated). Copied, never
         aliased: the CPU client can wrap a numpy array's memory instead, which a program that is
@@ -233,7 +227,8 @@ class ModelRunner:
     def _forward_args(self, bucket: tuple[int, int]) -> tuple[tuple, tuple]:
         """A (T, S) bucket's forward: its static layout, and its arguments (the cache's shapes before it
         is allocated)."""
-        caches = self.kv_caches if self.kv_caches is not None else self._kv_cache_specs()
+        caches = self.kv_caches if self.kv_caches is not None else kv_cache.specs(
+            self.cfg, self.num_pages, self.ecfg.block_size, self.kv_dtype, self._cache_sharding)
         ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
         return layout, (self.params, caches, ints, floats, self.prev_ids, *self._output_specs(bucket))
 
@@ -317,17 +312,51 @@ class ModelRunner:
         inputs = [params_text if arg is self.params else describe(arg) for arg in args]
         return cache.key(program, inputs, closure=closure, statics=statics, compiler_options=compiler_options)
 
-    def compile_program(self, program: str, args: tuple, trace, compiler_options: dict | None = None
-                        ) -> jax.stages.Compiled:
-        """One program outside the step buckets (the embedding programs), over `args`: loaded from the
-        executable cache when it holds it, else traced (`trace()`), lowered, compiled and stored there."""
-        cache, key = self.executable_cache, self._key(program, args, (), compiler_options)
-        if key is not None and cache.contains(key):
-            compiled = cache.load(key)
-            if compiled is not None:
-                return compiled
-        lowered = trace().lower()
+    def _start_builds(self, programs, pool: concurrent.futures.Executor, twinned=frozenset()) -> list[tuple]:
+        """Starts each `(name, key, trace, compiler options)` of `programs` in `pool`: a load where the
+        executable cache holds the key (and a second one for a name in `twinned`), else a compile of
+        the program that `trace()` traces. This thread traces and lowers those, one at a time in the
+        given order, while the pool loads and compiles: lowering is Python (it holds the GIL anyway),
+        and the module text must not depend on what other threads lower meanwhile, since the persistent
+        compilation cache keys on it (concurrent lowerings of the Mosaic GPU attention kernel missed an
+        earlier process's cache). Returns the builds for `_finish_builds`."""
+        cache, builds = self.executable_cache, []
+        for name, key, trace, opts in programs:
+            stored = key is not None and cache.contains(key)
+            if stored:  # a twinned forward's second copy loads from the entry too, alongside the first
+                job = pool.submit(cache.load, key)
+                twin = pool.submit(cache.load, key) if name in twinned else None
+            else:
+                job, twin = pool.submit(self._compile_lowered, trace().lower(), opts, key), None
+            builds.append((name, key, trace, opts, stored, job, twin, name in twinned))
+        return builds
+
+    def _finish_builds(self, builds: list[tuple], pool: concurrent.futures.Executor):
+        """`(name, executable, future of its second copy or None)` per build, in order. An entry that
+        would not load is compiled (and stored again) after all; a twinned program compiled here gets
+        its second copy by `reload`."""
+        for name, key, trace, opts, stored, job, twin, twinned in builds:
+            compiled = job.result()
+            if stored and compiled is not None:
+                self.executable_cache_hits += 1
+            elif stored:
+                compiled = self._compile_lowered(trace().lower(), opts, key)
+            if twinned and (twin is None or twin.result() is None):
+                twin = pool.submit(reload, compiled)
+            yield name, compiled, twin
+
+    def _compile_lowered(self, lowered: jax.stages.Lowered, compiler_options: dict | None, key: str | None):
+        cache = self.executable_cache
         return lowered.compile(compiler_options) if key is None else cache.compile(key, lowered, compiler_options)
+
+    def compile_programs(self, programs: dict) -> dict:
+        """Programs outside the step buckets (the embedding programs), `{name: (program, args, trace)}`:
+        loaded from the executable cache where it holds them, else traced (`trace()`), lowered,
+        compiled and stored there; loads and compiles in parallel, as at warm-up."""
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as pool:
+            builds = self._start_builds(((name, self._key(program, args), trace, None)
+                                         for name, (program, args, trace) in programs.items()), pool)
+            return {name: compiled for name, compiled, _ in self._finish_builds(builds, pool)}
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
         """A padding-only StepInput of the given bucket (writes nothing, reads nothing)."""
@@ -345,35 +374,6 @@ class ModelRunner:
         workers = workers or max(1, min(16, os.cpu_count() or 1))
         bar = tqdm(total=len(buckets), desc="Compiling buckets", disable=not progress)
         cache = self.executable_cache
-        # This thread traces and lowers the programs the executable cache lacks, one at a time in a
-        # fixed order, while the pool loads and compiles: lowering is Python (it holds the GIL anyway),
-        # and the module text must not depend on what other threads lower meanwhile, since the persistent
-        # compilation cache keys on it (concurrent lowerings of the Mosaic GPU attention kernel missed an
-        # earlier process's cache).
-        def build_all(programs):  # (name, key, trace, compiler options): `trace()` traces the program
-            jobs = []
-            for name, key, trace, opts in programs:
-                stored = key is not None and cache.contains(key)
-                if stored:  # a twinned forward's second copy loads from the entry too, alongside the first
-                    job = pool.submit(cache.load, key)
-                    twin = pool.submit(cache.load, key) if name in twinned else None
-                else:
-                    job, twin = pool.submit(compile_one, trace().lower(), opts, key), None
-                jobs.append((name, key, trace, opts, stored, job, twin))
-            self.warmup_lowering_seconds = time.perf_counter() - started
-            for name, key, trace, opts, stored, job, twin in jobs:
-                compiled = job.result()
-                if stored and compiled is not None:
-                    self.executable_cache_hits += 1
-                elif stored:  # an entry that would not load: compiled (and stored again) after all
-                    compiled = compile_one(trace().lower(), opts, key)
-                if name in twinned and (twin is None or twin.result() is None):
-                    twin = pool.submit(reload, compiled)  # serialized from the one compiled here
-                yield name, compiled, twin
-
-        def compile_one(lowered, opts, key):
-            return lowered.compile(opts) if key is None else cache.compile(key, lowered, opts)
-
         # The sampling and prompt-logprob programs, quick to lower but 1-5 s of XLA compile each, go to
         # the pool first and compile while this thread lowers the forwards (~1-2 s each on an H200, their
         # Mosaic GPU kernels most of it). Lowered last instead, their compiles piled up after the
@@ -407,8 +407,10 @@ class ModelRunner:
                 yield ("prompt_logprobs", t), self._key("prompt_logprobs", args), trace, None
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            builds = self._start_builds(itertools.chain(samplers(), prompt_logprobs(), forwards), pool, twinned)
+            self.warmup_lowering_seconds = time.perf_counter() - started
             twins = {}
-            for name, compiled, twin in build_all(itertools.chain(samplers(), prompt_logprobs(), forwards)):
+            for name, compiled, twin in self._finish_builds(builds, pool):
                 self._compiled[name] = compiled
                 if twin is not None:
                     twins[name[1]] = twin
