@@ -9,6 +9,7 @@ import sys
 import jax
 import pytest
 
+from jengine import kv_cache
 from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
 from jengine.kv_cache import activation_reserve, device_memory, num_device_pages, page_bytes
@@ -114,7 +115,8 @@ def test_warmup_compiles_against_the_cache_shapes_before_allocating_it(monkeypat
                                     compilation_cache_dir=None), progress=False)
     # allocated once, after every forward, sampling and prompt-logprobs program was compiled
     assert compiled_at_allocation == [len(engine.runner._compiled)] and compiled_at_allocation[0] > 2
-    spec = engine.runner._kv_cache_specs()[0]
+    runner = engine.runner
+    spec = kv_cache.specs(runner.cfg, runner.num_pages, runner.ecfg.block_size, runner.kv_dtype)[0]
     assert [c.shape for c in engine.runner.kv_caches] == [spec.shape] * engine.model_config.num_hidden_layers
     # a report where the device has memory statistics (GPUs), none where it has not (the CPU)
     assert (engine.kv_cache_memory is None) == (jax.devices()[0].memory_stats() is None)
