@@ -132,11 +132,27 @@ def code_digest() -> str:
     return hashlib.sha256(json.dumps([files, sorted(versions.items())]).encode()).hexdigest()
 
 
+def _source_file(function) -> str | None:
+    """The file that defines `function` (through wrappers and partials), or None for one without."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    try:
+        path = inspect.getsourcefile(inspect.unwrap(function))
+    except TypeError:  # a builtin, a C function, a callable object's class without a file
+        path = None
+    if path is None:
+        path = getattr(inspect.getmodule(function), "__file__", None)
+    return None if path is None else os.path.realpath(path)
+
+
 def source_digest(functions: Iterable) -> str:
     """sha256 over the files that define `functions` (a model family registered from outside jengine
-    is not in `code_digest`)."""
-    paths = sorted({os.path.realpath(inspect.getsourcefile(inspect.unwrap(f))) for f in functions})
-    return hashlib.sha256(json.dumps([_file_hash(p) for p in paths]).encode()).hexdigest()
+    is not in `code_digest`); a function without a file counts by its repr."""
+    parts = set()
+    for function in functions:
+        path = _source_file(function)
+        parts.add(_file_hash(path) if path is not None and os.path.isfile(path) else _mask_addresses(repr(function)))
+    return hashlib.sha256(json.dumps(sorted(parts)).encode()).hexdigest()
 
 
 def _trace_context() -> str:

@@ -8,6 +8,7 @@ jitted functions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -178,6 +179,9 @@ def test_source_digest_follows_the_family_module_file(monkeypatch, tmp_path):
     before = source_digest([forward])
     module.write_text("def forward(x):\n    return x + 1\n")
     assert source_digest([forward]) != before
+    partial = functools.partial(forward, 2)  # wrappers and functions without a file still key
+    assert source_digest([partial]) == source_digest([forward])
+    assert source_digest([len]) == source_digest([len]) != source_digest([abs])
 
 
 def test_stored_program_loads_and_runs(tmp_path):
