@@ -13,7 +13,8 @@ type and sharding with device ids); the source of jengine's own Python files (`c
 the model family's; the versions of JAX and the libraries it traces through; JAX's trace context; the
 platform and its devices; XLA_FLAGS; the compiler options. It does not see a module changed at run
 time without its file (a monkeypatched function, a module constant set by a script): run such code
-with `compilation_cache_dir=None`, or a directory of its own.
+with `compilation_cache_dir=None`, or a directory of its own. Entries live in a directory per code
+digest, and only the most recently used few are kept (`ExecutableCache`).
 
 Entries are pickles, as `jax.experimental.serialize_executable` makes them: loading one can run
 code, so point the cache only at a directory you own. A read that fails in any way is a miss and a
@@ -31,6 +32,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterable, Sequence
@@ -54,6 +56,8 @@ _TRACED_THROUGH = ("flax", "numpy", "ml-dtypes")
 
 # Object reprs name their address (`<function f at 0x7f...>`), which differs from process to process.
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_VERSION_CHARS = 16  # of the code digest, naming a version's directory
+_VERSION_DIR = re.compile(f"[0-9a-f]{{{_VERSION_CHARS}}}")
 
 
 def _mask_addresses(text: str) -> str:
@@ -226,10 +230,35 @@ def _load(executable: bytes, in_tree, out_tree, devices: list) -> jax.stages.Com
 
 
 class ExecutableCache:
-    """One file per compiled program under `directory`, named by `key(traced, compiler_options)`."""
+    """One file per compiled program, named by its `key`, in a directory per version of jengine's code
+    under `root` (`root/<code digest>/`): every key changes with the code, so the entries of earlier
+    versions are never read again. The first store of a process keeps the `keep_versions` most recently
+    used version directories, the current one included, and deletes the others."""
 
-    def __init__(self, directory: str):
-        self.directory = os.path.expanduser(directory)
+    def __init__(self, root: str, keep_versions: int = 3):
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
+        self.root = os.path.expanduser(root)
+        self.directory = os.path.join(self.root, code_digest()[:_VERSION_CHARS])
+        self.keep_versions = keep_versions
+        self._pruned = False
+        try:  # a version in use counts as recent (directory mtimes order them)
+            os.utime(self.directory)
+        except OSError:
+            pass
+
+    def _prune(self) -> None:
+        """Delete the version directories beyond the `keep_versions` most recently used."""
+        self._pruned = True
+        try:
+            versions = [e for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)
+                        and _VERSION_DIR.fullmatch(e.name) and e.path != self.directory]
+        except OSError:
+            return
+        versions.sort(key=lambda e: e.stat(follow_symlinks=False).st_mtime, reverse=True)
+        for old in versions[self.keep_versions - 1:]:
+            logger.info("executable cache: removing %s (entries of another version of jengine)", old.path)
+            shutil.rmtree(old.path, ignore_errors=True)
 
     def key(self, program: str, inputs: Sequence[str], *, closure=(), statics=(),
             compiler_options: dict | None = None) -> str | None:
@@ -306,6 +335,8 @@ class ExecutableCache:
             entry = dict(format=FORMAT, key=key, device_ids=device_ids, in_tree=in_tree, out_tree=out_tree,
                          executable=executable)
             os.makedirs(self.directory, exist_ok=True)
+            if not self._pruned:
+                self._prune()
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
             try:
                 with os.fdopen(fd, "wb") as f:

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ def _start(cache_dir, hash_seed: int, twins: bool = False) -> dict:
 
 
 def _entries(cache_dir) -> list:
-    return sorted((cache_dir / "jengine-executables").glob("*.jexe"))
+    return sorted((cache_dir / "jengine-executables").glob("*/*.jexe"))  # one directory per code version
 
 
 @pytest.fixture(scope="module")
@@ -203,14 +204,32 @@ def test_unreadable_entries_are_misses(tmp_path):
     key = _key(jnp.ones(4))
     assert cache.load(key) is None  # nothing stored yet
     cache.compile(key, traced.lower())
-    entry = tmp_path / f"{key}.jexe"
+    entry = Path(cache.directory) / f"{key}.jexe"
     whole = entry.read_bytes()
     entry.write_bytes(whole[: len(whole) // 2])
     assert cache.load(key) is None  # truncated
     entry.write_bytes(b"not a pickle")
     assert cache.load(key) is None
-    (tmp_path / f"{'0' * 64}.jexe").write_bytes(whole)
+    (Path(cache.directory) / f"{'0' * 64}.jexe").write_bytes(whole)
     assert cache.load("0" * 64) is None  # an entry under another key's name
+
+
+def test_entries_of_other_code_versions_beyond_the_newest_are_removed(tmp_path):
+    old = []
+    for age, name in enumerate(["a" * 16, "b" * 16, "c" * 16]):  # oldest last
+        version = tmp_path / name
+        version.mkdir()
+        (version / f"{'1' * 64}.jexe").write_bytes(b"entry")
+        os.utime(version, (1e9 - age * 1000, 1e9 - age * 1000))
+        old.append(version)
+    (tmp_path / "notes").mkdir()  # not a version directory: left alone
+    cache = ExecutableCache(tmp_path, keep_versions=2)
+    assert not any(v.name == Path(cache.directory).name for v in old)
+    traced = jax.jit(_fresh(lambda x: x - 1)).trace(jnp.ones(4))
+    cache.compile(_key(jnp.ones(4)), traced.lower())  # the first store prunes
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([Path(cache.directory).name, "a" * 16, "notes"])
+    with pytest.raises(ValueError, match="keep_versions"):
+        ExecutableCache(tmp_path, keep_versions=0)
 
 
 def test_store_failure_is_ignored(tmp_path):
