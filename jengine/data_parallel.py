@@ -82,9 +82,9 @@ class DataParallelEngine:
         return self._collect([out for r in self.replicas for out in r.drain()])
 
 
-def build_engine(config: EngineConfig, *, progress: bool = True):
-    """The engine a config asks for: one `LLMEngine`, or `DataParallelEngine` replicas when
-    `data_parallel_size` > 1 (requests balanced across disjoint device groups)."""
+def build_engine(config: EngineConfig, *, progress: bool = True, devices=None):
+    """The engine a config asks for: one `LLMEngine` (on `devices`, default all), or `DataParallelEngine`
+    replicas when `data_parallel_size` > 1 (requests balanced across disjoint device groups)."""
     if config.data_parallel_size > 1:
         return DataParallelEngine(config, progress=progress)
-    return LLMEngine(config, progress=progress)
+    return LLMEngine(config, progress=progress, devices=devices)

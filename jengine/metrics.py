@@ -128,10 +128,24 @@ def snapshot(engine) -> dict | None:
     own = getattr(engine, "metrics_snapshot", None)
     if own is not None:
         return own()
-    replicas = getattr(engine, "replicas", None) or [engine]
-    stats = [e.scheduler.stats() for e in replicas]
-    total = {key: sum(s[key] for s in stats) for key in stats[0]}
-    total["kv_cache_usage_perc"] /= len(stats)
-    total["stats"] = dict(engine.stats)
-    total["replica_generation_tokens"] = [r.stats["generation_tokens"] for r in replicas]
+    replicas = getattr(engine, "replicas", None)
+    if replicas:
+        return merge_snapshots([snapshot(r) for r in replicas])
+    return {**engine.scheduler.stats(), "stats": dict(engine.stats),
+            "replica_generation_tokens": [engine.stats["generation_tokens"]]}
+
+
+def merge_snapshots(snapshots: list[dict | None]) -> dict | None:
+    """Several replicas' snapshots as one: counts summed, KV cache usage averaged, generated tokens
+    listed per replica. A replica without one yet (it has not stepped) counts as zeros; None if none has."""
+    known = [s for s in snapshots if s is not None]
+    if not known:
+        return None
+    zero = {key: 0 for key in known[0] if key not in ("stats", "replica_generation_tokens")}
+    zero.update(stats=dict.fromkeys(known[0]["stats"], 0), replica_generation_tokens=[0])
+    snapshots = [zero if s is None else s for s in snapshots]
+    total = {key: sum(s[key] for s in snapshots) for key in zero if key not in ("stats", "replica_generation_tokens")}
+    total["kv_cache_usage_perc"] /= len(snapshots)
+    total["stats"] = {key: sum(s["stats"][key] for s in snapshots) for key in zero["stats"]}
+    total["replica_generation_tokens"] = [t for s in snapshots for t in s["replica_generation_tokens"]]
     return total

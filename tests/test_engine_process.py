@@ -1,6 +1,7 @@
 """The engine in a process of its own (`EngineProcess`) behind AsyncLLM: the same outputs as the engine in
 this process, refused requests, aborts that free pages, embeddings, a child that dies, a child that cannot
-start. The same path runs under every `jengine serve` test (the server's default)."""
+start; data-parallel replicas in processes of their own (`EngineProcesses`). The same path runs under
+every `jengine serve` test (the server's default)."""
 
 from __future__ import annotations
 
@@ -266,3 +267,60 @@ def test_the_server_process_initializes_no_jax_backend(tmp_path):
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "backends: []" in out.stdout
+
+
+# ---------------------------------------------------------------------- data-parallel replicas
+
+def test_replica_device_groups():
+    from jengine.engine_core import replica_devices
+
+    assert [replica_devices(i, 2, None) for i in range(3)] == ["0,1", "2,3", "4,5"]
+    assert replica_devices(1, 1, "4, 6,7") == "6"
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        replica_devices(1, 2, "0,1,2")
+
+
+def test_data_parallel_replicas_run_in_processes_of_their_own(monkeypatch, local):
+    from jengine.engine_core import EngineProcesses
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # what the children see
+    engine = EngineProcesses(EngineConfig(model="jengine/tiny-llama", data_parallel_size=2, **SMALL),
+                             progress=False, stats=True, startup_timeout=300)
+    llm = AsyncLLM.from_engine(engine)
+    try:
+        assert len({r._process.pid for r in engine.replicas}) == 2
+        assert engine.kv_cache_tokens == 2 * local.kv_cache_tokens
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+        prompts = [[1, 2, 3], [5, 4], [7, 7, 7, 7], [9], [3, 1, 4, 1, 5]]
+        served = [outs[-1].outputs[0].token_ids for outs in _run_all(llm, params, prompts)]
+        for i, p in enumerate(prompts):
+            local.add_request(f"dp-{i}", p, params)
+        expected = {}
+        while local.has_unfinished_requests():
+            expected.update((o.request_id, o.outputs[0].token_ids) for o in local.step() if o.finished)
+        assert served == [expected[f"dp-{i}"] for i in range(len(prompts))]
+        deadline = time.time() + 30
+        while (snap := engine.metrics_snapshot())["stats"]["generation_tokens"] < 6 * len(prompts):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert len(snap["replica_generation_tokens"]) == 2 and min(snap["replica_generation_tokens"]) > 0
+        async def embedded():
+            return await llm.run(lambda engine: embed(engine, [1, 2, 3]))
+
+        assert asyncio.run(embedded()) == pytest.approx(embed(local, [1, 2, 3]), abs=1e-5)  # on replica 0
+    finally:
+        llm.shutdown(drain=False, timeout=30)
+    assert not any(r._process.is_alive() for r in engine.replicas)
+
+
+def test_a_replica_that_cannot_start_stops_the_others(monkeypatch):
+    import multiprocessing
+
+    from jengine.engine_core import EngineProcesses
+
+    before = set(multiprocessing.active_children())
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")  # replica 1 has no device
+    with pytest.raises(ValueError, match="replica 1 needs 1 device"):
+        EngineProcesses(EngineConfig(model="jengine/tiny-llama", data_parallel_size=2, **SMALL), progress=False,
+                        startup_timeout=300)
+    assert set(multiprocessing.active_children()) <= before  # replica 0, which started, was stopped

@@ -5,7 +5,8 @@ app's shutdown drains the engine, and the process exits 0.
 
 The engine runs in a child process (`jengine.engine_core`), so the HTTP side and the engine loop do not
 share one GIL; `--engine-in-process` runs it on a thread of the server's process instead.
-`--data-parallel-size N` serves N engine replicas behind the one front end (`DataParallelEngine`).
+`--data-parallel-size N` serves N engine replicas behind the one front end, each in a process of its own
+(`EngineProcesses`; on TPUs, and with `--engine-in-process`, all in one: `DataParallelEngine`).
 Multi-host (`--coordinator-address/--num-processes/--process-id`, or JENGINE_*): every process builds
 the same engine; process 0 serves HTTP and the others follow its commands in lockstep
 (`jengine.multihost_serving`); SIGTERM goes to process 0 only, which then stops the others.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -81,7 +83,7 @@ def run_server(args: argparse.Namespace) -> int:
     from jengine.async_llm import AsyncLLM
     from jengine.cli import engine_kwargs
     from jengine.engine_config import EngineConfig
-    from jengine.engine_core import EngineProcess, build_serving_engine
+    from jengine.engine_core import EngineProcess, EngineProcesses, build_serving_engine
     from jengine.entrypoints.api_server import build_app
     from jengine.metrics import EngineMetrics
     from jengine.tokenizer import load_tokenizer
@@ -96,7 +98,10 @@ def run_server(args: argparse.Namespace) -> int:
     progress = sys.stderr.isatty()
     if multi_process or args.engine_in_process:
         engine, embedding_programs = build_serving_engine(config, progress)
-    else:
+    elif config.data_parallel_size > 1 and importlib.util.find_spec("libtpu") is None:
+        engine = EngineProcesses(config, progress=progress, stats=True)  # a process per replica
+        embedding_programs = engine.embedding_programs
+    else:  # one engine, or TPU replicas (one process holds a host's TPU chips) in one process
         engine = EngineProcess(config, progress=progress, stats=True)
         embedding_programs = engine.embedding_programs
     if multi_process:
