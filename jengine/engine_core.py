@@ -415,6 +415,28 @@ class EngineProcess:
             raise EngineDeadError(f"the engine process stopped: {self._dead!r}")
 
 
+def _device_census() -> tuple[str, int]:
+    """In a probe process: (platform, number of devices) as JAX sees them, taking no device memory."""
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    import jax
+
+    return jax.default_backend(), jax.device_count()
+
+
+def start_engine(config, *, progress: bool = True, stats: bool = False):
+    """The server's engine in child processes: an `EngineProcesses` replica per process where the devices
+    allow it, else one `EngineProcess` (replicas on TPUs share it: one process holds a host's chips).
+    With several replicas a short-lived probe process first counts the devices (this process starts no
+    JAX backend), so that replicas that cannot fit are refused before any child starts."""
+    if config.data_parallel_size > 1:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            platform, num_devices = pool.apply(_device_census)
+        config.check_tensor_parallel(None, num_devices)
+        if platform != "tpu":
+            return EngineProcesses(config, progress=progress, stats=stats)
+    return EngineProcess(config, progress=progress, stats=stats)
+
+
 class EngineProcesses:
     """`data_parallel_size` replicas, each an `EngineProcess` of its own on its own device group, behind
     one engine's interface: the replicas' host work runs in parallel, not in turn on one GIL as in one

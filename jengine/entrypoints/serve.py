@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import logging
 import os
 import signal
@@ -83,7 +82,7 @@ def run_server(args: argparse.Namespace) -> int:
     from jengine.async_llm import AsyncLLM
     from jengine.cli import engine_kwargs
     from jengine.engine_config import EngineConfig
-    from jengine.engine_core import EngineProcess, EngineProcesses, build_serving_engine
+    from jengine.engine_core import build_serving_engine, start_engine
     from jengine.entrypoints.api_server import build_app
     from jengine.metrics import EngineMetrics
     from jengine.tokenizer import load_tokenizer
@@ -98,11 +97,8 @@ def run_server(args: argparse.Namespace) -> int:
     progress = sys.stderr.isatty()
     if multi_process or args.engine_in_process:
         engine, embedding_programs = build_serving_engine(config, progress)
-    elif config.data_parallel_size > 1 and importlib.util.find_spec("libtpu") is None:
-        engine = EngineProcesses(config, progress=progress, stats=True)  # a process per replica
-        embedding_programs = engine.embedding_programs
-    else:  # one engine, or TPU replicas (one process holds a host's TPU chips) in one process
-        engine = EngineProcess(config, progress=progress, stats=True)
+    else:  # a process per data-parallel replica (one on TPUs)
+        engine = start_engine(config, progress=progress, stats=True)
         embedding_programs = engine.embedding_programs
     if multi_process:
         from jengine import multihost_serving
