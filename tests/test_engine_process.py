@@ -272,7 +272,7 @@ def test_the_server_process_initializes_no_jax_backend(tmp_path):
 # ---------------------------------------------------------------------- data-parallel replicas
 
 def test_replica_device_groups():
-    from jengine.engine_core import replica_devices
+    from jengine.engine_replicas import replica_devices
 
     assert [replica_devices(i, 2, None) for i in range(3)] == ["0,1", "2,3", "4,5"]
     assert replica_devices(1, 1, "4, 6,7") == "6"
@@ -281,7 +281,7 @@ def test_replica_device_groups():
 
 
 def test_data_parallel_replicas_run_in_processes_of_their_own(monkeypatch, local):
-    from jengine.engine_core import EngineProcesses
+    from jengine.engine_replicas import EngineProcesses
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # what the children see
     engine = EngineProcesses(EngineConfig(model="jengine/tiny-llama", data_parallel_size=2, **SMALL),
@@ -316,7 +316,7 @@ def test_data_parallel_replicas_run_in_processes_of_their_own(monkeypatch, local
 def test_a_replica_that_cannot_start_stops_the_others(monkeypatch):
     import multiprocessing
 
-    from jengine.engine_core import EngineProcesses
+    from jengine.engine_replicas import EngineProcesses
 
     before = set(multiprocessing.active_children())
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")  # replica 1 has no device

@@ -6,7 +6,7 @@ app's shutdown drains the engine, and the process exits 0.
 The engine runs in a child process (`jengine.engine_core`), so the HTTP side and the engine loop do not
 share one GIL; `--engine-in-process` runs it on a thread of the server's process instead.
 `--data-parallel-size N` serves N engine replicas behind the one front end, each in a process of its own
-(`EngineProcesses`; on TPUs, and with `--engine-in-process`, all in one: `DataParallelEngine`).
+(`jengine.engine_replicas`; on TPUs, and with `--engine-in-process`, all in one: `DataParallelEngine`).
 Multi-host (`--coordinator-address/--num-processes/--process-id`, or JENGINE_*): every process builds
 the same engine; process 0 serves HTTP and the others follow its commands in lockstep
 (`jengine.multihost_serving`); SIGTERM goes to process 0 only, which then stops the others.
@@ -82,7 +82,8 @@ def run_server(args: argparse.Namespace) -> int:
     from jengine.async_llm import AsyncLLM
     from jengine.cli import engine_kwargs
     from jengine.engine_config import EngineConfig
-    from jengine.engine_core import build_serving_engine, start_engine
+    from jengine.engine_core import build_serving_engine
+    from jengine.engine_replicas import start_engine
     from jengine.entrypoints.api_server import build_app
     from jengine.metrics import EngineMetrics
     from jengine.tokenizer import load_tokenizer
