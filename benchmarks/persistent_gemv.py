@@ -37,6 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic
+
 ROWS = 64  # weight rows per tile: the wgmma's M
 COLS = 8  # sequences: the wgmma's N
 LAYER = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # [N, K] of QKV, O, gate/up, down (8B)
@@ -189,6 +191,11 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="compare the products with jnp")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
+    if not gpu_mosaic.on_hopper():
+        raise SystemExit(f"persistent_gemv.py needs a Hopper GPU (Pallas Mosaic GPU); this is "
+                         f"{jax.devices()[0].device_kind}")
+    if args.layers < 1 or args.reps < 1:
+        ap.error("--layers and --reps must be at least 1")
 
     key = jax.random.key(0)
     shapes = [s for _ in range(args.layers) for s in LAYER]
