@@ -155,6 +155,173 @@ def persistent_gemv(x, weights, *, tile_k=256, stages=6, barrier="grid", num_sms
         thread_name="wg")(x, *weights)
 
 
+# Programs per product's n-blocks (rows) and k-groups (columns): every program owns a rectangle of
+# n-blocks x k-blocks, so each output block has `groups` producers and each program needs its k-group of
+# the input only. Values for 128 programs and tile_k 256 (QKV, O, gate/up, down).
+CHAIN_GROUPS = (4, 4, 4, 8)
+HALF = LAYER[3][1]  # gate rows, then up rows, in the gate/up product's output
+
+
+def _fence_async_global():
+    from jax._src.pallas.mosaic_gpu.helpers import inline_ptx  # not exported by jax 0.11
+
+    inline_ptx("fence.proxy.async.global;")
+
+
+def chain_plan(layers, tile_k, num_sms, groups=CHAIN_GROUPS):
+    """Per product: (groups, n-blocks per program, k-blocks per program, the program's first ring slot)."""
+    plan, offset = [], 0
+    for p, (n, k) in enumerate(LAYER * layers):
+        g = groups[p % 4]
+        if num_sms % g or (n // ROWS) % (num_sms // g) or k % tile_k or (k // tile_k) % g:
+            raise ValueError(f"persistent_chain: product {p} [N, K] = {(n, k)} does not split into {num_sms} "
+                             f"programs of {g} k-groups with tile_k {tile_k}")
+        nbr, kbr = (n // ROWS) // (num_sms // g), (k // tile_k) // g
+        plan.append((g, nbr, kbr, offset))
+        offset += nbr * kbr
+    return plan
+
+
+def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan):
+    """A chain of dependent products: QKV; O over QKV's first 4096 rows (in place of attention); gate/up;
+    down over silu(gate) * up; the next layer's QKV over down's output. Each program adds its partial
+    products into f32 outputs (TMA reduce-add) and counts each finished n-block on its row block's
+    semaphore; a consumer waits for the row blocks its k-group reads, and nothing else."""
+    phases = 4 * layers
+    shapes = LAYER * layers
+    w_refs, y_refs = refs[:phases], refs[phases:2 * phases]
+    w_smem, x_smem, stage, o_smem, produced, consumed, in_bars = refs[2 * phases:]
+    sm, wg = lax.axis_index("sm"), lax.axis_index("wg")
+    base = [0]
+    for n, _ in shapes:
+        base.append(base[-1] + n // tile_k)
+    sems = pl.get_global(plgpu.SemaphoreType.REGULAR((base[-1] + 1,)))
+    start = base[-1]
+
+    @pl.when(wg == 1)
+    def _copier():
+        plgpu.set_max_registers(40, action="decrease")
+        for p, (g, nbr, kbr, off) in enumerate(plan):
+            gi, ri = lax.rem(sm, g), sm // g
+
+            @pl.loop(0, kbr)
+            def _(j, p=p, kbr=kbr, off=off, gi=gi, ri=ri, nbr=nbr):
+                kb = gi * kbr + j
+                for i in range(nbr):
+                    gl = off + j * nbr + i
+                    slot = lax.rem(gl, stages)
+                    pl.when(gl >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
+                    nb = ri * nbr + i
+                    plgpu.copy_gmem_to_smem(w_refs[p].at[pl.ds(nb * ROWS, ROWS), pl.ds(kb * tile_k, tile_k)],
+                                            w_smem.at[slot], produced.at[slot])
+
+    @pl.when(wg == 0)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        # Zero the outputs the products add into, then one grid barrier.
+        o_smem[...] = jnp.zeros(o_smem.shape, jnp.float32)
+        plgpu.commit_smem()
+        for p, (n, _) in enumerate(shapes):
+            @pl.loop(sm, n // ROWS, step=num_sms)
+            def _(nb, p=p):
+                plgpu.copy_smem_to_gmem(o_smem.at[0], y_refs[p].at[pl.ds(nb * ROWS, ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+        _fence_async_global()
+        plgpu.semaphore_signal(sems.at[start], 1, memory_scope="gpu")
+        plgpu.semaphore_wait(sems.at[start], num_sms, decrement=False, memory_scope="gpu")
+
+        for p, (g, nbr, kbr, off) in enumerate(plan):
+            gi, ri = lax.rem(sm, g), sm // g
+            kind = p % 4
+            src = x0_ref if p == 0 else y_refs[p - 1]
+            need = None if p == 0 else plan[p - 1][0] * (tile_k // ROWS)  # signals per row block: producers x n-blocks
+
+            def issue(j, kind=kind, src=src, need=need, gi=gi, kbr=kbr, p=p):
+                kb = gi * kbr + j
+                if need is not None:
+                    plgpu.semaphore_wait(sems.at[base[p - 1] + kb], need, decrement=False, memory_scope="gpu")
+                    if kind == 3:
+                        plgpu.semaphore_wait(sems.at[base[p - 1] + HALF // tile_k + kb], need, decrement=False,
+                                             memory_scope="gpu")
+                    _fence_async_global()
+                plgpu.copy_gmem_to_smem(src.at[pl.ds(kb * tile_k, tile_k)], stage.at[j % 2, 0],
+                                        in_bars.at[2 * (j % 2)])
+                if kind == 3:
+                    plgpu.copy_gmem_to_smem(src.at[pl.ds(HALF + kb * tile_k, tile_k)], stage.at[j % 2, 1],
+                                            in_bars.at[2 * (j % 2) + 1])
+
+            issue(0)
+
+            def k_step(j, accs, kind=kind, kbr=kbr, nbr=nbr, off=off, issue=issue):
+                pl.when(j + 1 < kbr)(lambda: issue(j + 1))
+                half = lax.rem(j, 2)
+                plgpu.barrier_wait(in_bars.at[2 * half])
+                v = plgpu.load(stage.at[half, 0], layout=plgpu.Layout.WGMMA)
+                if kind == 3:
+                    plgpu.barrier_wait(in_bars.at[2 * half + 1])
+                    u = plgpu.load(stage.at[half, 1], layout=plgpu.Layout.WGMMA)
+                    v = v / (1.0 + jnp.exp(-v)) * u
+                x_smem.at[half].transpose((1, 0))[...] = v.astype(x_smem.dtype)
+                plgpu.commit_smem()
+                new = []
+                for i in range(nbr):
+                    slot = lax.rem(off + j * nbr + i, stages)
+                    plgpu.barrier_wait(produced.at[slot])
+
+                    def mm(acc_ref, slot=slot):
+                        plgpu.wgmma(acc_ref, w_smem.at[slot], x_smem.at[half].transpose((1, 0)))
+                    new.append(pl.run_state(mm)(plgpu.ACC.init(accs[i])))
+                    plgpu.barrier_arrive(consumed.at[slot])
+                return tuple(new)
+
+            zero = plgpu.layout_cast(jnp.zeros((ROWS, COLS), jnp.float32), plgpu.Layout.WGMMA)
+            accs = lax.fori_loop(0, kbr, k_step, (zero,) * nbr)
+            for i in range(nbr):
+                nb = ri * nbr + i
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                o_smem.at[i % 2][...] = accs[i]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[i % 2], y_refs[p].at[pl.ds(nb * ROWS, ROWS)], reduction_op="add")
+            plgpu.wait_smem_to_gmem(0)
+            _fence_async_global()
+            for i in range(nbr):
+                nb = ri * nbr + i
+                plgpu.semaphore_signal(sems.at[base[p] + nb * ROWS // tile_k], 1, memory_scope="gpu")
+
+
+def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, groups=CHAIN_GROUPS):
+    """x0: [4096, 8] f32 (the first QKV's input, one column per sequence); weights: 4 x layers [N, K] bf16
+    in LAYER's order. Returns every product's output [N, 8] f32."""
+    layers = len(weights) // 4
+    if len(weights) != 4 * layers or tuple(w.shape for w in weights) != LAYER * layers:
+        raise ValueError(f"persistent_chain: weights must be {layers} layers of {LAYER}")
+    plan = chain_plan(layers, tile_k, num_sms, groups)
+    out_type = [jax.ShapeDtypeStruct((n, COLS), jnp.float32) for n, _ in LAYER * layers]
+    scratch = [_tiled((stages, ROWS, tile_k), jnp.bfloat16), _tiled((2, COLS, tile_k), jnp.bfloat16),
+               plgpu.SMEM((2, 2, tile_k, COLS), jnp.float32), plgpu.SMEM((2, ROWS, COLS), jnp.float32),
+               plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+               plgpu.Barrier(num_barriers=4)]
+    return plgpu.kernel(
+        functools.partial(_chain_kernel, layers=layers, tile_k=tile_k, stages=stages, num_sms=num_sms, plan=plan),
+        out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",), num_threads=2,
+        thread_name="wg")(x0, *weights)
+
+
+def chain_reference(x0, weights):
+    """persistent_chain's products in jnp: bf16 inputs, f32 sums."""
+    outs, x = [], x0
+    for p, w in enumerate(weights):
+        if p % 4 == 1:
+            x = outs[-1][:w.shape[1]]
+        elif p % 4 == 2 or (p % 4 == 0 and p):
+            x = outs[-1]
+        elif p % 4 == 3:
+            gate, up = outs[-1][:HALF], outs[-1][HALF:]
+            x = gate / (1.0 + jnp.exp(-gate)) * up
+        outs.append(jnp.dot(w, x.astype(jnp.bfloat16), preferred_element_type=jnp.float32))
+    return outs
+
+
 def xla_chain(x, weights):
     """The same products as XLA runs them in a model, each feeding the next: x [1, K0] bf16."""
     h = x
@@ -177,6 +344,29 @@ def _time(fn, *args, reps):
     return statistics.median(t for t in times if t is not None) / 1e3
 
 
+def _time_chain(args, weights, key, report, results):
+    """persistent_chain against chain_reference (XLA, 8 sequences), each checked against the other."""
+    scale = [jnp.asarray(1.0 / np.sqrt(w.shape[1]) / 0.02, jnp.bfloat16) for w in weights]  # keep values O(1)
+    ws = [w * s for w, s in zip(weights, scale)]
+    x0 = jax.random.normal(key, (4096, COLS), jnp.float32)
+    ref_fn = jax.jit(chain_reference)
+    ref = ref_fn(x0, ws)
+    report("xla chain (8 sequences)", _time(ref_fn, x0, ws, reps=args.reps))
+    for stages in args.chain_stages:
+        name = f"persistent chain tile_k=256 stages={stages}"
+        fn = jax.jit(functools.partial(persistent_chain, stages=stages))
+        try:
+            outs = fn(x0, ws)
+            errs = [float(jnp.max(jnp.abs(o - r)) / (jnp.max(jnp.abs(r)) + 1e-9)) for o, r in zip(outs, ref)]
+            t = _time(fn, x0, ws, reps=args.reps)
+        except Exception as e:  # a config that does not fit: report and go on
+            print(f"{name:40s} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            results["runs"].append({"name": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            continue
+        report(name, t, {"max_rel_err_per_product": errs})
+        print(f"{'':40s} relative error per product: max {max(errs):.2e}, last {errs[-1]:.2e}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -189,6 +379,10 @@ def main(argv=None):
                     help="grid: wait for every SM between products; near<k>: for k SMs; self: only for this "
                          "SM's own signal; none")
     ap.add_argument("--check", action="store_true", help="compare the products with jnp")
+    ap.add_argument("--chain", action="store_true",
+                    help="also time persistent_chain (each product's input read from the previous one's output, "
+                         "waits only for its producers; 128 programs, tile_k 256) against the same chain in XLA")
+    ap.add_argument("--chain-stages", type=int, nargs="+", default=[5])
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     if not gpu_mosaic.on_hopper():
@@ -247,6 +441,8 @@ def main(argv=None):
                 report(name, t, extra)
                 if "max_rel_err" in extra:
                     print(f"{'':40s} max relative error {extra['max_rel_err']:.2e}", flush=True)
+    if args.chain:
+        _time_chain(args, weights, keys[0], report, results)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)
