@@ -1,5 +1,5 @@
 """benchmarks/persistent_gemv.py: the shares it splits products into, its input checks, and (on Hopper)
-its products against jnp under every kind of wait."""
+its products against jnp under every kind of wait, and the dependent chain against jnp."""
 
 from __future__ import annotations
 
@@ -56,3 +56,24 @@ def test_products_match_jnp(barrier):
         xf = jnp.tile(x, (1, w.shape[1] // 256)).astype(jnp.float32)
         ref = np.asarray(xf @ w.astype(jnp.float32).T)
         np.testing.assert_allclose(np.asarray(y.sum(0)).T, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_chain_plan_gives_every_program_an_equal_rectangle():
+    plan = pg.chain_plan(2, 256, 128)
+    assert [(g, nbr, kbr) for g, nbr, kbr, _ in plan[:4]] == [(4, 3, 4), (4, 2, 4), (4, 14, 4), (8, 4, 7)]
+    offsets = [off for *_, off in plan]
+    assert offsets == [sum(n * k for _, n, k, _ in plan[:i]) for i in range(len(plan))]
+
+
+def test_chain_plan_refuses_shares_that_do_not_divide():
+    with pytest.raises(ValueError, match="does not split"):
+        pg.chain_plan(1, 256, 132)
+
+
+@pytest.mark.skipif(not gpu_mosaic.on_hopper(), reason="Pallas Mosaic GPU kernel: Hopper only")
+def test_chain_matches_jnp():
+    ws = [jax.random.normal(jax.random.key(i), s, jnp.bfloat16) / np.sqrt(s[1]) for i, s in enumerate(pg.LAYER)]
+    x0 = jax.random.normal(jax.random.key(9), (4096, 8), jnp.float32)
+    outs, ref = pg.persistent_chain(x0, ws), pg.chain_reference(x0, ws)
+    for o, r in zip(outs, ref):
+        assert float(jnp.max(jnp.abs(o - r)) / jnp.max(jnp.abs(r))) < 1e-2
