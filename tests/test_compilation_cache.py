@@ -40,3 +40,38 @@ def test_second_start_hits_the_persistent_compilation_cache(tmp_path):
     assert second["hits"] >= 1
     # what JAX loaded from its cache is stored only where XLA serializes it whole (not on the CPU)
     assert bool(list((tmp_path / "jengine-executables").glob("*/*.jexe"))) == second["stores_loaded"]
+
+
+_BOUND_SCRIPT = """
+import json, os, sys, jax, jax.numpy as jnp
+from jengine.engine import _enable_compilation_cache
+_enable_compilation_cache(sys.argv[1])
+for n in range(1, 4):
+    jax.jit(lambda x: x * n + 1)(jnp.ones(n))
+files = os.listdir(sys.argv[1])
+print(json.dumps({"bound": jax.config.jax_compilation_cache_max_size,
+                  "entries": sum(f.endswith("-cache") for f in files),
+                  "access_times": sum(f.endswith("-atime") for f in files)}))
+"""
+
+
+def _bounded(cache_dir, env=None) -> dict:
+    import os
+
+    out = subprocess.run([sys.executable, "-c", _BOUND_SCRIPT, str(cache_dir)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_jax_cache_is_bounded_least_recently_used_first(tmp_path):
+    from jengine.engine import JAX_CACHE_MAX_BYTES
+
+    got = _bounded(tmp_path)
+    assert got["bound"] == JAX_CACHE_MAX_BYTES
+    assert got["entries"] >= 3 and got["access_times"] == got["entries"]  # the LRU cache's access times
+
+
+def test_a_bound_the_user_set_is_kept(tmp_path):
+    got = _bounded(tmp_path, {"JAX_COMPILATION_CACHE_MAX_SIZE": "1"})  # smaller than any entry: none stored
+    assert got["bound"] == 1 and got["entries"] == 0
