@@ -86,6 +86,8 @@ def child(args) -> None:
                               "engine_phases": llm.engine.startup_phases,
                               "lowering_s": llm.engine.runner.warmup_lowering_seconds,
                               "first_runs_s": llm.engine.runner.warmup_first_runs_seconds,
+                              "helpers": llm.engine.runner.build_helpers_finished,
+                              "helpers_wait_s": llm.engine.runner.build_helpers_wait_seconds,
                               "kv_cache_memory": llm.engine.kv_cache_memory,
                               "buckets": llm.engine.num_compiled_buckets, "startup_programs": startup_compiles.count,
                               "startup_cache_hits": startup_compiles.cache_hits,
@@ -145,7 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows:
         phases = " / ".join(f"{row[f'{n}_s']:.1f}" for n in ("entry", "imports", "backend", "engine", "request"))
         inner = ", ".join(f"{k} {v:.1f}" for k, v in row["engine_phases"].items())
-        print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f}, "
+        helpers = (f"; {row['helpers']} build helpers, waited for {row['helpers_wait_s']:.1f} after its own share"
+                   if row.get("helpers") else "")
+        print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f}{helpers}, "
               f"every program's first run {row['first_runs_s']:.1f})")
     return save_results(args, rows)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jengine import kv_cache, sharding
+from jengine import build_helpers, kv_cache, sharding
 from jengine.buckets import shape_pairs
 from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
@@ -206,6 +206,8 @@ class ModelRunner:
         self._key_context = None  # (params described, closure) of every program's cache key, made once (`_key`)
         self.warmup_lowering_seconds = 0.0  # warm-up's time tracing and lowering (one thread), for reports
         self.warmup_first_runs_seconds = 0.0  # warm-up's time running every program once, for reports
+        self.build_helpers_finished = 0  # build helper processes that finished cleanly at warm-up
+        self.build_helpers_wait_seconds = 0.0  # how long warm-up waited for them after its own share
 
     def allocate_kv_cache(self) -> None:
         if self.kv_caches is None:
@@ -363,11 +365,31 @@ class ModelRunner:
         sampling = build_sampling_tensors([], num_seqs, self.cfg.vocab_size)
         return build_step_input([], num_tokens, num_seqs, self.ecfg.pages_per_seq, self.ecfg.block_size, sampling)
 
-    def warmup(self, progress: bool = True, workers: int | None = None) -> int:
+    def _forward_build(self, bucket: tuple[int, int], layout, args) -> tuple:
+        """A (T, S) bucket's forward as `_start_builds` takes it: (name, key, trace, compiler options)."""
+        opts = forward_compiler_options(bucket[0])
+        return (("forward", layout), self._key("forward", args, (layout,), opts),
+                functools.partial(lambda b: self.trace_forward(b)[1], bucket), opts)
+
+    def build_forwards(self, buckets: list[tuple[int, int]], workers: int) -> None:
+        """Compile the buckets' forwards into the executable cache, those it lacks (`build_helpers`):
+        this thread traces and lowers them one by one while `workers` threads compile, as at warm-up."""
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            jobs = []
+            for bucket in buckets:
+                _, key, trace, opts = self._forward_build(bucket, *self._forward_args(bucket))
+                if key is not None and not self.executable_cache.contains(key):
+                    jobs.append(pool.submit(self._compile_lowered, trace().lower(), opts, key))
+            for job in jobs:
+                job.result()
+
+    def warmup(self, progress: bool = True, workers: int | None = None, helpers: int | None = None) -> int:
         """Compile every program before serving, `workers` at a time (XLA compiles without the GIL):
         the forward per (T, S) bucket, sampling per S in each of its variants and prompt logprobs
         per T (their input shapes come from the forwards' outputs), and the page moves.
-        A program found in the executable cache is loaded instead, with no tracing, lowering or compile.
+        A program found in the executable cache is loaded instead, with no tracing, lowering or compile;
+        forwards it lacks are shared with `helpers` build helper processes (default: `build_helpers.
+        helper_count`), which store them there while this thread builds its own share.
         Every step then runs an executable made here; the KV cache is allocated once they are
         compiled. Returns the number of buckets."""
         buckets = self.buckets()
@@ -386,9 +408,17 @@ class ModelRunner:
                 twinned.add(("forward", layout))
             logits_of.setdefault(bucket[1], args[-2])
             hidden_of.setdefault(bucket[0], args[-1])
-            opts = forward_compiler_options(bucket[0])
-            forwards.append((("forward", layout), self._key("forward", args, (layout,), opts),
-                             functools.partial(lambda b: self.trace_forward(b)[1], bucket), opts))
+            forwards.append(self._forward_build(bucket, layout, args))
+        missing = [(bucket, build) for bucket, build in zip(buckets, forwards)
+                   if build[1] is not None and not cache.contains(build[1])]
+        if helpers is None:
+            helpers = build_helpers.helper_count(len(missing), os.cpu_count() or 1, jax.default_backend(),
+                                                 self.mesh is None)
+        theirs = [share for share in build_helpers.shares(missing, helpers)[1:] if share] if missing else []
+        handle = build_helpers.Helpers(self, [[b for b, _ in share] for share in theirs]) if theirs else None
+        later_names = {build[0] for share in theirs for _, build in share}
+        later = [build for build in forwards if build[0] in later_names]
+        forwards = [build for build in forwards if build[0] not in later_names]
 
         def samplers():
             for s, logits in logits_of.items():
@@ -409,6 +439,10 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             builds = self._start_builds(itertools.chain(samplers(), prompt_logprobs(), forwards), pool, twinned)
             self.warmup_lowering_seconds = time.perf_counter() - started
+            if handle is not None:  # then load what the helpers stored (and build what they did not)
+                self.build_helpers_finished = handle.wait()
+                self.build_helpers_wait_seconds = time.perf_counter() - started - self.warmup_lowering_seconds
+                builds += self._start_builds(later, pool, twinned)
             twins = {}
             for name, compiled, twin in self._finish_builds(builds, pool):
                 self._compiled[name] = compiled

@@ -1,0 +1,127 @@
+"""Cold start in parallel: helper processes build forwards into the executable cache.
+
+A cold start is bound by one thread tracing and lowering the forwards, Python that holds the GIL (on
+an H200, 46 of a 59.5 s engine start, most of it lowering their Mosaic GPU kernels; RESULTS.md, session
+31), while the compile pool waits for work. Threads cannot share that; processes can. Each helper
+takes a share of the forwards the executable cache lacks: it rebuilds the runner over the params'
+shapes (no weights), keys each forward exactly as warm-up does, and traces, lowers, compiles and stores
+it. Warm-up builds its own share meanwhile, then loads what the helpers stored; a forward a helper did
+not store (it failed, timed out, or keyed it differently) is built by warm-up as usual, so helpers can
+only save time, never change what runs.
+
+Helpers are plain `python -m jengine.build_helpers` processes (not multiprocessing), so a user's script
+needs no `__main__` guard for them. They start only on GPUs (a TPU host's chips belong to one process,
+and on the CPU they would take the cores the compile pool needs), on one device (no mesh), with the
+executable cache on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+MAX_HELPERS = 3
+MIN_FORWARDS_EACH = 3  # a helper's start (imports, its device client: ~3-5 s) must buy at least this many
+CORES_PER_HELPER = 4  # each helper's XLA compiles, beside the main process's pool
+TIMEOUT_S = 900.0
+
+
+def helper_count(missing: int, cpus: int, platform: str, single_device: bool) -> int:
+    """How many helpers warm-up starts for `missing` forwards (it builds a share itself)."""
+    if platform != "gpu" or not single_device:
+        return 0
+    return max(0, min(MAX_HELPERS, cpus // CORES_PER_HELPER, missing // MIN_FORWARDS_EACH - 1))
+
+
+def shares(items: list, helpers: int) -> list[list]:
+    """`items` split between the main process (the first share) and `helpers` helpers, round-robin
+    among the helpers. The main process takes half a helper's share: it also lowers the sampling and
+    prompt-logprob programs, and its compile pool serves them all."""
+    if helpers <= 0:
+        return [list(items)]
+    mine = len(items) // (2 * helpers + 1)
+    rest = list(items[mine:])
+    return [list(items[:mine])] + [rest[i::helpers] for i in range(helpers)]
+
+
+class Helpers:
+    """Helper processes building `buckets_per_helper` forwards of `runner` into its executable cache."""
+
+    def __init__(self, runner, buckets_per_helper: list[list[tuple[int, int]]]):
+        cache = runner.executable_cache
+        spec = dict(cfg=runner.cfg, ecfg=runner.ecfg, num_pages=runner.num_pages,
+                    params=jax.tree.map(_shape_of, runner.params), root=cache.root,
+                    keep_versions=cache.keep_versions, jax_cache_dir=jax.config.jax_compilation_cache_dir)
+        fd, self._spec_path = tempfile.mkstemp(prefix="jengine-helpers-", suffix=".pkl")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(spec, f, protocol=pickle.HIGHEST_PROTOCOL)
+        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # the engine holds the memory
+        self._procs = []
+        for buckets in buckets_per_helper:
+            log = tempfile.TemporaryFile()
+            arg = ";".join(f"{t},{s}" for t, s in buckets)
+            proc = subprocess.Popen([sys.executable, "-m", "jengine.build_helpers", self._spec_path, arg],
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self._procs.append((proc, log, buckets))
+
+    def wait(self, timeout: float = TIMEOUT_S) -> int:
+        """Wait for every helper (those past `timeout` are killed); returns how many finished cleanly.
+        A failure is logged; warm-up then builds that helper's forwards itself."""
+        deadline, ok = time.monotonic() + timeout, 0
+        try:
+            for proc, log, buckets in self._procs:
+                try:
+                    code = proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    code = proc.wait()
+                    logger.warning("build helper for %d forwards timed out after %.0f s", len(buckets), timeout)
+                if code == 0:
+                    ok += 1
+                else:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-2000:]
+                    logger.warning("build helper for %d forwards exited with %s; warm-up builds them:\n%s",
+                                   len(buckets), code, tail)
+                log.close()
+        finally:
+            for proc, _, _ in self._procs:
+                if proc.poll() is None:
+                    proc.kill()
+            os.unlink(self._spec_path)
+        return ok
+
+
+def _shape_of(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") and hasattr(x, "dtype") else x
+
+
+def main(argv: list[str]) -> None:
+    from jengine.engine import _enable_compilation_cache
+    from jengine.executable_cache import ExecutableCache
+    from jengine.runner import ModelRunner
+
+    spec_path, arg = argv
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    if spec["jax_cache_dir"]:
+        _enable_compilation_cache(spec["jax_cache_dir"])
+    on = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # where the engine's params live (no mesh)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on)
+                          if isinstance(x, jax.ShapeDtypeStruct) else x, spec["params"])
+    cache = ExecutableCache(spec["root"], spec["keep_versions"])
+    runner = ModelRunner(spec["cfg"], spec["ecfg"], params, spec["num_pages"], 0, executable_cache=cache)
+    runner.build_forwards([tuple(int(v) for v in pair.split(",")) for pair in arg.split(";")], CORES_PER_HELPER)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

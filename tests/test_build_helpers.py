@@ -1,0 +1,77 @@
+"""Build helper processes (jengine/build_helpers.py): who gets them, and a cold start that uses them
+loads what they stored and generates what an engine without them does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jengine import build_helpers
+
+
+@pytest.mark.parametrize("missing,cpus,platform,single,expected", [
+    (18, 16, "gpu", True, 3),  # the 8B start-up: three helpers beside warm-up
+    (18, 8, "gpu", True, 2),  # four cores each
+    (18, 2, "gpu", True, 0),
+    (5, 16, "gpu", True, 0),  # too few forwards to pay for a helper's start
+    (6, 16, "gpu", True, 1),
+    (18, 16, "cpu", True, 0),  # the compile pool needs those cores
+    (18, 16, "tpu", True, 0),  # a TPU host's chips belong to one process
+    (18, 16, "gpu", False, 0),  # tensor parallel: not yet
+])
+def test_helper_count(missing, cpus, platform, single, expected):
+    assert build_helpers.helper_count(missing, cpus, platform, single) == expected
+
+
+def test_shares_give_the_main_process_half_a_helpers_share():
+    assert build_helpers.shares(list(range(18)), 3) == [[0, 1], [2, 5, 8, 11, 14, 17], [3, 6, 9, 12, 15],
+                                                        [4, 7, 10, 13, 16]]
+    assert build_helpers.shares(list(range(3)), 2) == [[], [0, 2], [1]]
+    assert build_helpers.shares([1, 2], 0) == [[1, 2]]
+
+
+_SCRIPT = """
+import json, sys
+from jengine import LLM, SamplingParams, build_helpers
+helpers = int(sys.argv[2])
+build_helpers.helper_count = lambda *a: helpers  # the CPU gets none by default
+if sys.argv[3] == "failing":
+    build_helpers.sys = type("sys", (), {"executable": "false"})  # each helper exits 1 at once
+llm = LLM("jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+          token_buckets=(16, 32, 64), seq_buckets=(2, 4), compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
+runner = llm.engine.runner
+outs = llm.generate([[1, 2, 3, 4, 5], [7, 8, 9]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                    use_tqdm=False)
+print(json.dumps({"hits": runner.executable_cache_hits, "finished": runner.build_helpers_finished,
+                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+"""
+
+
+def _start(cache_dir, helpers: int, mode: str = "working") -> dict:
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir), str(helpers), mode], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """A cold start without helpers."""
+    return _start(tmp_path_factory.mktemp("alone"), 0)
+
+
+def test_a_cold_start_with_helpers_loads_their_forwards_and_generates_the_same(tmp_path, alone):
+    with_helpers = _start(tmp_path, 2)
+    # 3 forwards (T 16 / 32 / 64 at S 4), all three built by the helpers and loaded by warm-up
+    assert with_helpers["finished"] == 2 and with_helpers["hits"] == 3
+    assert alone["finished"] == 0 and alone["hits"] == 0
+    assert with_helpers["tokens"] == alone["tokens"]
+
+
+def test_helpers_that_fail_leave_their_forwards_to_warm_up(tmp_path, alone):
+    failed = _start(tmp_path, 2, "failing")
+    assert failed["finished"] == 0 and failed["hits"] == 0
+    assert failed["tokens"] == alone["tokens"]
