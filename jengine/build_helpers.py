@@ -64,12 +64,15 @@ class Helpers:
         fd, self._spec_path = tempfile.mkstemp(prefix="jengine-helpers-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(spec, f, protocol=pickle.HIGHEST_PROTOCOL)
-        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # the engine holds the memory
+        # The helpers search this process's module path, less its working-directory entry, and not their
+        # own working directory (-P): a `jengine` directory there (a source checkout) is not the package.
+        path = os.pathsep.join(p for p in sys.path if p)
+        env = {**os.environ, "PYTHONPATH": path, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # (the engine's memory)
         self._procs = []
         for buckets in buckets_per_helper:
             log = tempfile.TemporaryFile()
             arg = ";".join(f"{t},{s}" for t, s in buckets)
-            proc = subprocess.Popen([sys.executable, "-m", "jengine.build_helpers", self._spec_path, arg],
+            proc = subprocess.Popen([sys.executable, "-P", "-m", "jengine.build_helpers", self._spec_path, arg],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
             self._procs.append((proc, log, buckets))
 

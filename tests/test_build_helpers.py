@@ -39,7 +39,13 @@ from jengine import LLM, SamplingParams, build_helpers
 helpers = int(sys.argv[2])
 build_helpers.helper_count = lambda *a: helpers  # the CPU gets none by default
 if sys.argv[3] == "failing":
-    build_helpers.sys = type("sys", (), {"executable": "false"})  # each helper exits 1 at once
+    build_helpers.sys = type("sys", (), {"executable": "false", "path": sys.path})  # each helper exits 1 at once
+elif sys.argv[3] == "decoy":  # a working directory holding another `jengine`: the helpers must not import it
+    import os
+    os.makedirs(os.path.join(sys.argv[1], "decoy", "jengine"))
+    with open(os.path.join(sys.argv[1], "decoy", "jengine", "__init__.py"), "w") as f:
+        f.write("raise ImportError('the decoy jengine was imported')")
+    os.chdir(os.path.join(sys.argv[1], "decoy"))
 llm = LLM("jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
           token_buckets=(16, 32, 64), seq_buckets=(2, 4), compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
 runner = llm.engine.runner
@@ -69,6 +75,12 @@ def test_a_cold_start_with_helpers_loads_their_forwards_and_generates_the_same(t
     assert with_helpers["finished"] == 2 and with_helpers["hits"] == 3
     assert alone["finished"] == 0 and alone["hits"] == 0
     assert with_helpers["tokens"] == alone["tokens"]
+
+
+def test_helpers_import_the_engines_own_jengine_whatever_the_working_directory(tmp_path, alone):
+    decoy = _start(tmp_path, 2, "decoy")
+    assert decoy["finished"] == 2 and decoy["hits"] == 3
+    assert decoy["tokens"] == alone["tokens"]
 
 
 def test_helpers_that_fail_leave_their_forwards_to_warm_up(tmp_path, alone):
