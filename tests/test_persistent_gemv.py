@@ -72,7 +72,8 @@ def test_chain_plan_refuses_shares_that_do_not_divide():
 
 @pytest.mark.skipif(not gpu_mosaic.on_hopper(), reason="Pallas Mosaic GPU kernel: Hopper only")
 def test_chain_matches_jnp():
-    ws = [jax.random.normal(jax.random.key(i), s, jnp.bfloat16) / np.sqrt(s[1]) for i, s in enumerate(pg.LAYER)]
+    ws = [(jax.random.normal(jax.random.key(i), s) / np.sqrt(s[1])).astype(jnp.bfloat16)
+          for i, s in enumerate(pg.LAYER)]
     x0 = jax.random.normal(jax.random.key(9), (4096, 8), jnp.float32)
     outs, ref = pg.persistent_chain(x0, ws), pg.chain_reference(x0, ws)
     for o, r in zip(outs, ref):
