@@ -142,6 +142,9 @@ def persistent_gemv(x, weights, *, tile_k=256, stages=6, barrier="grid", num_sms
         raise ValueError(f"persistent_gemv: barrier must be 'grid', 'near<k>' (k SMs), 'self' or 'none', "
                          f"got {barrier!r}")
     shapes = tuple(w.shape for w in weights)
+    if any(w.dtype != jnp.bfloat16 for w in weights) or x.dtype != jnp.bfloat16 or x.shape != (COLS, tile_k):
+        raise ValueError(f"persistent_gemv: weights and x must be bf16, x [{COLS}, {tile_k}]; got "
+                         f"{sorted({str(w.dtype) for w in weights})} and {x.dtype}{list(x.shape)}")
     for n, k in shapes:
         if n % ROWS or k % tile_k:
             raise ValueError(f"persistent_gemv: weight [N, K] = {(n, k)} needs N % {ROWS} == 0 and K % {tile_k} == 0")
@@ -295,6 +298,9 @@ def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, groups=C
     layers = len(weights) // 4
     if len(weights) != 4 * layers or tuple(w.shape for w in weights) != LAYER * layers:
         raise ValueError(f"persistent_chain: weights must be {layers} layers of {LAYER}")
+    if any(w.dtype != jnp.bfloat16 for w in weights) or x0.shape != (LAYER[0][1], COLS) or x0.dtype != jnp.float32:
+        raise ValueError(f"persistent_chain: weights must be bf16 and x0 [{LAYER[0][1]}, {COLS}] f32, got "
+                         f"{sorted({str(w.dtype) for w in weights})} and {x0.dtype}{list(x0.shape)}")
     plan = chain_plan(layers, tile_k, num_sms, groups)
     out_type = [jax.ShapeDtypeStruct((n, COLS), jnp.float32) for n, _ in LAYER * layers]
     scratch = [_tiled((stages, ROWS, tile_k), jnp.bfloat16), _tiled((2, COLS, tile_k), jnp.bfloat16),

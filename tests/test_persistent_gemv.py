@@ -65,6 +65,13 @@ def test_chain_plan_gives_every_program_an_equal_rectangle():
     assert offsets == [sum(n * k for _, n, k, _ in plan[:i]) for i in range(len(plan))]
 
 
+def test_chain_refuses_other_dtypes():
+    ws = [jax.ShapeDtypeStruct(s, jnp.float32) for s in pg.LAYER]
+    x0 = jax.ShapeDtypeStruct((4096, 8), jnp.float32)
+    with pytest.raises(ValueError, match="must be bf16"):
+        jax.eval_shape(pg.persistent_chain, x0, ws)
+
+
 def test_chain_plan_refuses_shares_that_do_not_divide():
     with pytest.raises(ValueError, match="does not split"):
         pg.chain_plan(1, 256, 132)
