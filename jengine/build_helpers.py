@@ -1,13 +1,14 @@
-"""Cold start in parallel: helper processes build forwards into the executable cache.
+"""Cold start in parallel: helper processes build programs into the executable cache.
 
 A cold start is bound by one thread tracing and lowering the forwards, Python that holds the GIL (on
 an H200, 46 of a 59.5 s engine start, most of it lowering their Mosaic GPU kernels; RESULTS.md, session
 31), while the compile pool waits for work. Threads cannot share that; processes can. Each helper
 takes a share of the forwards the executable cache lacks: it rebuilds the runner over the params'
 shapes (no weights), keys each forward exactly as warm-up does, and traces, lowers, compiles and stores
-it. Warm-up builds its own share meanwhile, then loads what the helpers stored; a forward a helper did
-not store (it failed, timed out, or keyed it differently) is built by warm-up as usual, so helpers can
-only save time, never change what runs.
+it (and `jengine serve`'s embedding programs, which `pooling.warmup` then loads). Warm-up builds its own
+share meanwhile, then loads what the helpers stored; a program a helper did not store (it failed, timed
+out, or keyed it differently) is built by the engine as usual, so helpers can only save time, never
+change what runs.
 
 Helpers are plain `python -m jengine.build_helpers` processes (not multiprocessing), so a user's script
 needs no `__main__` guard for them. They start only on GPUs (a TPU host's chips belong to one process,
@@ -56,7 +57,7 @@ def shares(items: list, helpers: int) -> list[list]:
 class Helpers:
     """Helper processes building `buckets_per_helper` forwards of `runner` into its executable cache."""
 
-    def __init__(self, runner, buckets_per_helper: list[list[tuple[int, int]]]):
+    def __init__(self, runner, jobs_per_helper: list[list[tuple]]):
         cache = runner.executable_cache
         spec = dict(cfg=runner.cfg, ecfg=runner.ecfg, num_pages=runner.num_pages,
                     params=jax.tree.map(_shape_of, runner.params), root=cache.root,
@@ -69,32 +70,32 @@ class Helpers:
         path = os.pathsep.join(p for p in sys.path if p)
         env = {**os.environ, "PYTHONPATH": path, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # (the engine's memory)
         self._procs = []
-        for buckets in buckets_per_helper:
+        for jobs in jobs_per_helper:
             log = tempfile.TemporaryFile()
-            arg = ";".join(f"{t},{s}" for t, s in buckets)
-            proc = subprocess.Popen([sys.executable, "-P", "-m", "jengine.build_helpers", self._spec_path, arg],
+            proc = subprocess.Popen([sys.executable, "-P", "-m", "jengine.build_helpers", self._spec_path,
+                                     encode_jobs(jobs)],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
-            self._procs.append((proc, log, buckets))
+            self._procs.append((proc, log, jobs))
 
     def wait(self, timeout: float = TIMEOUT_S) -> int:
         """Wait for every helper (those past `timeout` are killed); returns how many finished cleanly.
         A failure is logged; warm-up then builds that helper's forwards itself."""
         deadline, ok = time.monotonic() + timeout, 0
         try:
-            for proc, log, buckets in self._procs:
+            for proc, log, jobs in self._procs:
                 try:
                     code = proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     code = proc.wait()
-                    logger.warning("build helper for %d forwards timed out after %.0f s", len(buckets), timeout)
+                    logger.warning("build helper for %d programs timed out after %.0f s", len(jobs), timeout)
                 if code == 0:
                     ok += 1
                 else:
                     log.seek(0)
                     tail = log.read().decode(errors="replace")[-2000:]
-                    logger.warning("build helper for %d forwards exited with %s; warm-up builds them:\n%s",
-                                   len(buckets), code, tail)
+                    logger.warning("build helper for %d programs exited with %s; the engine builds them:\n%s",
+                                   len(jobs), code, tail)
                 log.close()
         finally:
             for proc, _, _ in self._procs:
@@ -102,6 +103,19 @@ class Helpers:
                     proc.kill()
             os.unlink(self._spec_path)
         return ok
+
+
+def encode_jobs(jobs: list[tuple]) -> str:
+    """`("forward", (T, S))` and `("hidden_states", n)` jobs as one command-line argument."""
+    return ";".join(f"forward:{what[0]},{what[1]}" if kind == "forward" else f"{kind}:{what}" for kind, what in jobs)
+
+
+def decode_jobs(text: str) -> list[tuple]:
+    jobs = []
+    for item in text.split(";"):
+        kind, what = item.split(":")
+        jobs.append((kind, tuple(int(v) for v in what.split(",")) if kind == "forward" else int(what)))
+    return jobs
 
 
 def _shape_of(x):
@@ -123,7 +137,7 @@ def main(argv: list[str]) -> None:
                           if isinstance(x, jax.ShapeDtypeStruct) else x, spec["params"])
     cache = ExecutableCache(spec["root"], spec["keep_versions"])
     runner = ModelRunner(spec["cfg"], spec["ecfg"], params, spec["num_pages"], 0, executable_cache=cache)
-    runner.build_forwards([tuple(int(v) for v in pair.split(",")) for pair in arg.split(";")], CORES_PER_HELPER)
+    runner.build_jobs(decode_jobs(arg), CORES_PER_HELPER)
 
 
 if __name__ == "__main__":

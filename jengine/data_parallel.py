@@ -82,9 +82,10 @@ class DataParallelEngine:
         return self._collect([out for r in self.replicas for out in r.drain()])
 
 
-def build_engine(config: EngineConfig, *, progress: bool = True, devices=None):
+def build_engine(config: EngineConfig, *, progress: bool = True, devices=None, embedding_lengths=()):
     """The engine a config asks for: one `LLMEngine` (on `devices`, default all), or `DataParallelEngine`
-    replicas when `data_parallel_size` > 1 (requests balanced across disjoint device groups)."""
+    replicas when `data_parallel_size` > 1 (requests balanced across disjoint device groups).
+    `embedding_lengths`: as `LLMEngine` takes them (one engine only)."""
     if config.data_parallel_size > 1:
         return DataParallelEngine(config, progress=progress)
-    return LLMEngine(config, progress=progress, devices=devices)
+    return LLMEngine(config, progress=progress, devices=devices, embedding_lengths=embedding_lengths)

@@ -112,8 +112,11 @@ def token_ids(prompt, vocab: int) -> list[int]:
 class LLMEngine:
     """Owns the model runner, the scheduler and the tokenizer; turns requests into outputs."""
 
-    def __init__(self, config: EngineConfig, *, warmup: bool = True, progress: bool = True, devices=None):
-        """`devices`: the device group of this engine (a data-parallel replica); default all devices."""
+    def __init__(self, config: EngineConfig, *, warmup: bool = True, progress: bool = True, devices=None,
+                 embedding_lengths: tuple[int, ...] = ()):
+        """`devices`: the device group of this engine (a data-parallel replica); default all devices.
+        `embedding_lengths`: embedding programs the caller will compile (`jengine serve`), which warm-up's
+        build helpers store for it when they run (`ModelRunner.warmup`)."""
         t0 = time.perf_counter()
         if config.compilation_cache_dir:
             _enable_compilation_cache(config.compilation_cache_dir)
@@ -151,7 +154,7 @@ class LLMEngine:
         self.kv_cache_tokens = (num_pages - 1) * ecfg.block_size
         logger.info("KV cache: %d pages of %d tokens (%d tokens), %d host pages", num_pages, ecfg.block_size,
                     self.kv_cache_tokens, num_cpu_pages)
-        self.num_compiled_buckets = self.runner.warmup(progress) if warmup else 0
+        self.num_compiled_buckets = self.runner.warmup(progress, embedding_lengths=embedding_lengths) if warmup else 0
         self.runner.allocate_kv_cache()  # warm-up allocates it after compiling (autotuning needs the memory)
         log_memory("KV cache per device", self.runner.kv_caches)
         self.kv_cache_memory = _kv_memory_report(mem, self.runner.kv_caches)

@@ -28,6 +28,7 @@ from jengine.buckets import shape_pairs
 from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
 from jengine.executable_cache import ExecutableCache, describe, reload, source_digest, stores_loaded_executables
+from jengine.generate import hidden_states_program
 from jengine.models import get_model_family
 from jengine.sampler import (
     SamplerSwitches,
@@ -371,25 +372,37 @@ class ModelRunner:
         return (("forward", layout), self._key("forward", args, (layout,), opts),
                 functools.partial(lambda b: self.trace_forward(b)[1], bucket), opts)
 
-    def build_forwards(self, buckets: list[tuple[int, int]], workers: int) -> None:
-        """Compile the buckets' forwards into the executable cache, those it lacks (`build_helpers`):
-        this thread traces and lowers them one by one while `workers` threads compile, as at warm-up."""
-        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-            jobs = []
-            for bucket in buckets:
-                _, key, trace, opts = self._forward_build(bucket, *self._forward_args(bucket))
-                if key is not None and not self.executable_cache.contains(key):
-                    jobs.append(pool.submit(self._compile_lowered, trace().lower(), opts, key))
-            for job in jobs:
-                job.result()
+    def _job_build(self, job: tuple) -> tuple:
+        """(key, trace, compiler options) of a build helper's job: `("forward", (T, S))` or
+        `("hidden_states", n)` (the embedding program of padded length n, as `pooling.warmup` builds it)."""
+        kind, what = job
+        if kind == "forward":
+            return self._forward_build(what, *self._forward_args(what))[1:]
+        args, trace = hidden_states_program(self.cfg, self.params, what, self.mesh)
+        return self._key("hidden_states", args), trace, None
 
-    def warmup(self, progress: bool = True, workers: int | None = None, helpers: int | None = None) -> int:
+    def build_jobs(self, jobs: list[tuple], workers: int) -> None:
+        """Compile the jobs' programs into the executable cache, those it lacks (`build_helpers`): this
+        thread traces and lowers them one by one while `workers` threads compile, as at warm-up."""
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            futures = []
+            for job in jobs:
+                key, trace, opts = self._job_build(job)
+                if key is not None and not self.executable_cache.contains(key):
+                    futures.append(pool.submit(self._compile_lowered, trace().lower(), opts, key))
+            for future in futures:
+                future.result()
+
+    def warmup(self, progress: bool = True, workers: int | None = None, helpers: int | None = None,
+               embedding_lengths: tuple[int, ...] = ()) -> int:
         """Compile every program before serving, `workers` at a time (XLA compiles without the GIL):
         the forward per (T, S) bucket, sampling per S in each of its variants and prompt logprobs
         per T (their input shapes come from the forwards' outputs), and the page moves.
         A program found in the executable cache is loaded instead, with no tracing, lowering or compile;
         forwards it lacks are shared with `helpers` build helper processes (default: `build_helpers.
-        helper_count`), which store them there while this thread builds its own share.
+        helper_count`), which store them there while this thread builds its own share. Helpers also
+        store the embedding programs of `embedding_lengths` (`jengine serve`'s, which `pooling.warmup`
+        then loads); without helpers those are left to it.
         Every step then runs an executable made here; the KV cache is allocated once they are
         compiled. Returns the number of buckets."""
         buckets = self.buckets()
@@ -409,14 +422,18 @@ class ModelRunner:
             logits_of.setdefault(bucket[1], args[-2])
             hidden_of.setdefault(bucket[0], args[-1])
             forwards.append(self._forward_build(bucket, layout, args))
-        missing = [(bucket, build) for bucket, build in zip(buckets, forwards)
+        # (job, its forward's build or None) per program the cache lacks: forwards first, so that this
+        # thread's share (the first) is forwards; embedding programs go to helpers or wait for pooling
+        missing = [(("forward", bucket), build) for bucket, build in zip(buckets, forwards)
                    if build[1] is not None and not cache.contains(build[1])]
+        missing += [(job, None) for job in (("hidden_states", n) for n in embedding_lengths)
+                    if cache is not None and not cache.contains(self._job_build(job)[0])]
         if helpers is None:
             helpers = build_helpers.helper_count(len(missing), os.cpu_count() or 1, jax.default_backend(),
                                                  self.mesh is None)
         theirs = [share for share in build_helpers.shares(missing, helpers)[1:] if share] if missing else []
-        handle = build_helpers.Helpers(self, [[b for b, _ in share] for share in theirs]) if theirs else None
-        later_names = {build[0] for share in theirs for _, build in share}
+        handle = build_helpers.Helpers(self, [[job for job, _ in share] for share in theirs]) if theirs else None
+        later_names = {build[0] for share in theirs for _, build in share if build is not None}
         later = [build for build in forwards if build[0] in later_names]
         forwards = [build for build in forwards if build[0] not in later_names]
 

@@ -87,3 +87,26 @@ def test_helpers_that_fail_leave_their_forwards_to_warm_up(tmp_path, alone):
     failed = _start(tmp_path, 2, "failing")
     assert failed["finished"] == 0 and failed["hits"] == 0
     assert failed["tokens"] == alone["tokens"]
+
+
+_SERVE_SCRIPT = """
+import json, sys
+from jengine import build_helpers
+from jengine.engine_config import EngineConfig
+from jengine.engine_core import build_serving_engine
+build_helpers.helper_count = lambda *a: int(sys.argv[2])
+config = EngineConfig(model="jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+                      token_buckets=(16, 32, 64), seq_buckets=(2, 4), compilation_cache_dir=sys.argv[1])
+engine, programs = build_serving_engine(config, progress=False)
+print(json.dumps({"hits": engine.runner.executable_cache_hits, "programs": programs}))
+"""
+
+
+def test_helpers_also_store_the_servers_embedding_programs(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _SERVE_SCRIPT, str(tmp_path), "2"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # 3 forwards and 4 embedding programs (padded lengths 16-128): warm-up builds one forward (its share,
+    # 7 // 5 programs), the helpers the rest, which the engine and pooling.warmup load
+    assert got == {"hits": 6, "programs": 4}
