@@ -31,16 +31,16 @@ import jax
 logger = logging.getLogger(__name__)
 
 MAX_HELPERS = 3
-MIN_FORWARDS_EACH = 3  # a helper's start (imports, its device client: ~3-5 s) must buy at least this many
+MIN_PROGRAMS_EACH = 3  # a helper's start (imports, its device client: ~3-5 s) must buy at least this many
 CORES_PER_HELPER = 4  # each helper's XLA compiles, beside the main process's pool
 TIMEOUT_S = 900.0
 
 
 def helper_count(missing: int, cpus: int, platform: str, single_device: bool) -> int:
-    """How many helpers warm-up starts for `missing` forwards (it builds a share itself)."""
+    """How many helpers warm-up starts for `missing` programs (it builds a share itself)."""
     if platform != "gpu" or not single_device:
         return 0
-    return max(0, min(MAX_HELPERS, cpus // CORES_PER_HELPER, missing // MIN_FORWARDS_EACH - 1))
+    return max(0, min(MAX_HELPERS, cpus // CORES_PER_HELPER, missing // MIN_PROGRAMS_EACH - 1))
 
 
 def shares(items: list, helpers: int) -> list[list]:
@@ -55,7 +55,8 @@ def shares(items: list, helpers: int) -> list[list]:
 
 
 class Helpers:
-    """Helper processes building `buckets_per_helper` forwards of `runner` into its executable cache."""
+    """Helper processes building `jobs_per_helper` programs of `runner` into its executable cache
+    (`encode_jobs`); `wait` for them, or `stop` them."""
 
     def __init__(self, runner, jobs_per_helper: list[list[tuple]]):
         cache = runner.executable_cache
@@ -79,7 +80,7 @@ class Helpers:
 
     def wait(self, timeout: float = TIMEOUT_S) -> int:
         """Wait for every helper (those past `timeout` are killed); returns how many finished cleanly.
-        A failure is logged; warm-up then builds that helper's forwards itself."""
+        A failure is logged; the engine then builds that helper's programs itself."""
         deadline, ok = time.monotonic() + timeout, 0
         try:
             for proc, log, jobs in self._procs:
@@ -98,11 +99,17 @@ class Helpers:
                                    len(jobs), code, tail)
                 log.close()
         finally:
-            for proc, _, _ in self._procs:
-                if proc.poll() is None:
-                    proc.kill()
-            os.unlink(self._spec_path)
+            self.stop()
         return ok
+
+    def stop(self) -> None:
+        """Kill the helpers still running and remove their spec (idempotent)."""
+        for proc, _, _ in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if os.path.exists(self._spec_path):
+            os.unlink(self._spec_path)
 
 
 def encode_jobs(jobs: list[tuple]) -> str:

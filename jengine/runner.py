@@ -454,7 +454,12 @@ class ModelRunner:
                 yield ("prompt_logprobs", t), self._key("prompt_logprobs", args), trace, None
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            builds = self._start_builds(itertools.chain(samplers(), prompt_logprobs(), forwards), pool, twinned)
+            try:
+                builds = self._start_builds(itertools.chain(samplers(), prompt_logprobs(), forwards), pool, twinned)
+            except BaseException:
+                if handle is not None:
+                    handle.stop()
+                raise
             self.warmup_lowering_seconds = time.perf_counter() - started
             if handle is not None:  # then load what the helpers stored (and build what they did not)
                 self.build_helpers_finished = handle.wait()
