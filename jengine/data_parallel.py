@@ -82,10 +82,10 @@ class DataParallelEngine:
         return self._collect([out for r in self.replicas for out in r.drain()])
 
 
-def build_engine(config: EngineConfig, *, progress: bool = True, devices=None, embedding_lengths=()):
+def build_engine(config: EngineConfig, *, progress: bool = True, devices=None, embedding_programs: bool = False):
     """The engine a config asks for: one `LLMEngine` (on `devices`, default all), or `DataParallelEngine`
     replicas when `data_parallel_size` > 1 (requests balanced across disjoint device groups).
-    `embedding_lengths`: as `LLMEngine` takes them (one engine only)."""
+    `embedding_programs`: as `LLMEngine` takes it (one engine only)."""
     if config.data_parallel_size > 1:
         return DataParallelEngine(config, progress=progress)
-    return LLMEngine(config, progress=progress, devices=devices, embedding_lengths=embedding_lengths)
+    return LLMEngine(config, progress=progress, devices=devices, embedding_programs=embedding_programs)

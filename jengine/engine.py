@@ -21,6 +21,7 @@ from jengine.buckets import pick_bucket, seq_bucket
 from jengine.detokenizer import IncrementalDetokenizer
 from jengine.engine_config import EngineConfig
 from jengine.executable_cache import ExecutableCache
+from jengine.generate import padded_lengths
 from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
 from jengine.logprobs import FlatLogprobs, append_positions, for_output
@@ -113,10 +114,10 @@ class LLMEngine:
     """Owns the model runner, the scheduler and the tokenizer; turns requests into outputs."""
 
     def __init__(self, config: EngineConfig, *, warmup: bool = True, progress: bool = True, devices=None,
-                 embedding_lengths: tuple[int, ...] = ()):
+                 embedding_programs: bool = False):
         """`devices`: the device group of this engine (a data-parallel replica); default all devices.
-        `embedding_lengths`: embedding programs the caller will compile (`jengine serve`), which warm-up's
-        build helpers store for it when they run (`ModelRunner.warmup`)."""
+        `embedding_programs`: the caller will compile the embedding programs (`jengine serve`), which
+        warm-up's build helpers then store for it when they run (`ModelRunner.warmup`)."""
         t0 = time.perf_counter()
         if config.compilation_cache_dir:
             _enable_compilation_cache(config.compilation_cache_dir)
@@ -154,7 +155,8 @@ class LLMEngine:
         self.kv_cache_tokens = (num_pages - 1) * ecfg.block_size
         logger.info("KV cache: %d pages of %d tokens (%d tokens), %d host pages", num_pages, ecfg.block_size,
                     self.kv_cache_tokens, num_cpu_pages)
-        self.num_compiled_buckets = self.runner.warmup(progress, embedding_lengths=embedding_lengths) if warmup else 0
+        lengths = tuple(padded_lengths(ecfg.max_model_len)) if embedding_programs else ()
+        self.num_compiled_buckets = self.runner.warmup(progress, embedding_lengths=lengths) if warmup else 0
         self.runner.allocate_kv_cache()  # warm-up allocates it after compiling (autotuning needs the memory)
         log_memory("KV cache per device", self.runner.kv_caches)
         self.kv_cache_memory = _kv_memory_report(mem, self.runner.kv_caches)

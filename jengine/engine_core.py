@@ -61,11 +61,9 @@ def build_serving_engine(config, progress: bool, devices=None) -> tuple[Any, int
     group) with its embedding programs compiled; (engine, number of embedding programs)."""
     from jengine.data_parallel import build_engine
     from jengine.entrypoints import pooling
-    from jengine.generate import padded_lengths
 
     # (a cold start's build helpers store the embedding programs beside the forwards)
-    engine = build_engine(config, progress=progress, devices=devices,
-                          embedding_lengths=tuple(padded_lengths(config.max_model_len)))
+    engine = build_engine(config, progress=progress, devices=devices, embedding_programs=True)
     # /v1/embeddings must not compile while serving (data-parallel replicas embed on replica 0)
     return engine, pooling.warmup(getattr(engine, "replicas", [engine])[0])
 

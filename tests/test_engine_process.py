@@ -55,6 +55,16 @@ def _run_all(llm, params, prompts):
     return asyncio.run(main())
 
 
+def _run_local(engine, params, prompts):
+    """`_run_all` through an AsyncLLM over `engine`, shut down afterwards: its loop thread must not be
+    left stepping the shared engine, which later tests step directly (a race seen once in CI)."""
+    llm = AsyncLLM.from_engine(engine)
+    try:
+        return _run_all(llm, params, prompts)
+    finally:
+        llm.shutdown(timeout=60)
+
+
 def _merged(outs: list[RequestOutput], kind: RequestOutputKind) -> tuple:
     """One stream's result: its last output, or for DELTA outputs everything they carried, joined."""
     last, pieces = outs[-1], [o.outputs[0] for o in outs]
@@ -76,7 +86,7 @@ def test_outputs_equal_those_of_the_engine_in_this_process(process, local, kind)
                             flat_logprobs=True, output_kind=kind)
     prompts = ["Hello there", [5, 6, 7, 8, 9], "abc"]
     got = [_merged(outs, kind) for outs in _run_all(process, params, prompts)]
-    want = [_merged(outs, kind) for outs in _run_all(AsyncLLM.from_engine(local), params, prompts)]
+    want = [_merged(outs, kind) for outs in _run_local(local, params, prompts)]
     for g, w in zip(got, want, strict=True):
         assert g[:11] == w[:11] and len(g[5]) == 12 and g[10]
         # the same programs in another process: float sums may differ in the last bits
@@ -131,7 +141,7 @@ def test_an_id_used_again_right_after_an_abort_gets_only_its_own_outputs(process
         return await _collect(process, "Hello there", short, "same")
 
     outs = asyncio.run(main())
-    want = _run_all(AsyncLLM.from_engine(local), short, ["Hello there"])[0][-1]
+    want = _run_local(local, short, ["Hello there"])[0][-1]
     assert outs[-1].finished and outs[-1].prompt == "Hello there"
     assert outs[-1].outputs[0].token_ids == want.outputs[0].token_ids
 
