@@ -13,7 +13,9 @@ change what runs.
 Helpers are plain `python -m jengine.build_helpers` processes (not multiprocessing), so a user's script
 needs no `__main__` guard for them. They start only on GPUs (a TPU host's chips belong to one process,
 and on the CPU they would take the cores the compile pool needs), on one device (no mesh), with the
-executable cache on.
+executable cache on. They see the environment and module path, not JAX settings the engine's process
+changed in code (`jax.config.update`): where such a setting enters a program's key, their programs are
+not the engine's, and the engine builds its own (correct, not faster).
 """
 
 from __future__ import annotations
