@@ -132,15 +132,14 @@ def _shape_of(x):
 
 
 def main(argv: list[str]) -> None:
-    from jengine.engine import _enable_compilation_cache
-    from jengine.executable_cache import ExecutableCache
+    from jengine.executable_cache import ExecutableCache, enable_jax_cache
     from jengine.runner import ModelRunner
 
     spec_path, arg = argv
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
     if spec["jax_cache_dir"]:
-        _enable_compilation_cache(spec["jax_cache_dir"])
+        enable_jax_cache(spec["jax_cache_dir"])
     on = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # where the engine's params live (no mesh)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on)
                           if isinstance(x, jax.ShapeDtypeStruct) else x, spec["params"])

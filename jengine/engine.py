@@ -20,7 +20,7 @@ import numpy as np
 from jengine.buckets import pick_bucket, seq_bucket
 from jengine.detokenizer import IncrementalDetokenizer
 from jengine.engine_config import EngineConfig
-from jengine.executable_cache import ExecutableCache
+from jengine.executable_cache import ExecutableCache, enable_jax_cache
 from jengine.generate import padded_lengths
 from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
@@ -120,7 +120,7 @@ class LLMEngine:
         warm-up's build helpers then store for it when they run (`ModelRunner.warmup`)."""
         t0 = time.perf_counter()
         if config.compilation_cache_dir:
-            _enable_compilation_cache(config.compilation_cache_dir)
+            enable_jax_cache(config.compilation_cache_dir)
         tp = config.tensor_parallel_size
         if config.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={config.data_parallel_size}: one LLMEngine is one replica; "
@@ -491,23 +491,3 @@ def _freeze_heap() -> None:
     session 7). Objects made later are collected as usual."""
     gc.collect()
     gc.freeze()
-
-
-JAX_CACHE_MAX_BYTES = 4 << 30  # JAX's own cache directory: least recently used entries beyond this are deleted
-
-
-def _enable_compilation_cache(path: str) -> None:
-    """Persist compiled step programs so a restart skips XLA compilation (first user of the process wins).
-
-    Every program is kept, however quick its compile: with a 0.5 s floor, 21 of the 84 programs of the
-    default 8B buckets were compiled again on every warm start (H200, benchmarks/startup.py).
-
-    JAX's cache is bounded (`JAX_CACHE_MAX_BYTES`, least recently used out) unless the process set its own
-    bound (`jax_compilation_cache_max_size`, or the JAX_COMPILATION_CACHE_MAX_SIZE variable): each version of
-    the code or the model writes new entries, which would otherwise pile up without end (jengine's own
-    executables prune themselves: `ExecutableCache.keep_versions`)."""
-    if jax.config.jax_compilation_cache_dir is None:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        if jax.config.jax_compilation_cache_max_size == -1:
-            jax.config.update("jax_compilation_cache_max_size", JAX_CACHE_MAX_BYTES)

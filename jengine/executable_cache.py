@@ -1,7 +1,7 @@
 """Compiled step programs on disk, keyed before tracing, so that a warm start neither traces, lowers
 nor compiles them.
 
-JAX's persistent compilation cache (`engine._enable_compilation_cache`) keys on the lowered module,
+JAX's persistent compilation cache (`enable_jax_cache`) keys on the lowered module,
 so every start still traces and lowers every program: on an H200 most of a warm start's time
 (RESULTS.md, sessions 28 and 30). This cache keys on what the trace is a function of, known before it
 runs, and keeps the serialized executable: a hit costs a hash and a load. A miss is traced, lowered
@@ -227,6 +227,27 @@ def _devices(compiled: jax.stages.Compiled) -> list:
 def _load(executable: bytes, in_tree, out_tree, devices: list) -> jax.stages.Compiled:
     return serialize_executable.deserialize_and_load(executable, in_tree, out_tree, backend=devices[0].client,
                                                      execution_devices=devices)
+
+
+JAX_CACHE_MAX_BYTES = 4 << 30  # JAX's own cache directory: least recently used entries beyond this are deleted
+
+
+def enable_jax_cache(path: str) -> None:
+    """JAX's persistent compilation cache in `path`, so a restart skips XLA compilation where this cache
+    misses (first user of the process wins).
+
+    Every program is kept, however quick its compile: with a 0.5 s floor, 21 of the 84 programs of the
+    default 8B buckets were compiled again on every warm start (H200, benchmarks/startup.py).
+
+    JAX's cache is bounded (`JAX_CACHE_MAX_BYTES`, least recently used out) unless the process set its own
+    bound (`jax_compilation_cache_max_size`, or the JAX_COMPILATION_CACHE_MAX_SIZE variable): each version of
+    the code or the model writes new entries, which would otherwise pile up without end (jengine's own
+    executables prune themselves: `ExecutableCache.keep_versions`)."""
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        if jax.config.jax_compilation_cache_max_size == -1:
+            jax.config.update("jax_compilation_cache_max_size", JAX_CACHE_MAX_BYTES)
 
 
 class ExecutableCache:

@@ -44,8 +44,8 @@ def test_second_start_hits_the_persistent_compilation_cache(tmp_path):
 
 _BOUND_SCRIPT = """
 import json, os, sys, jax, jax.numpy as jnp
-from jengine.engine import _enable_compilation_cache
-_enable_compilation_cache(sys.argv[1])
+from jengine.executable_cache import enable_jax_cache
+enable_jax_cache(sys.argv[1])
 for n in range(1, 4):
     jax.jit(lambda x: x * n + 1)(jnp.ones(n))
 files = os.listdir(sys.argv[1])
@@ -65,7 +65,7 @@ def _bounded(cache_dir, env=None) -> dict:
 
 
 def test_jax_cache_is_bounded_least_recently_used_first(tmp_path):
-    from jengine.engine import JAX_CACHE_MAX_BYTES
+    from jengine.executable_cache import JAX_CACHE_MAX_BYTES
 
     got = _bounded(tmp_path)
     assert got["bound"] == JAX_CACHE_MAX_BYTES
