@@ -56,6 +56,33 @@ def shares(items: list, helpers: int) -> list[list]:
     return [list(items[:mine])] + [rest[i::helpers] for i in range(helpers)]
 
 
+def start(runner, buckets: list[tuple[int, int]], forwards: list[tuple], embedding_lengths=(),
+          helpers: int | None = None) -> tuple[Helpers | None, list[tuple], list[tuple]]:
+    """Hand a share of the forwards `runner`'s executable cache lacks to helper processes (`helpers`
+    of them; default `helper_count`). `forwards` are warm-up's builds of `buckets`, in order, as
+    `_start_builds` takes them. When any forward is missing (a cold start), the embedding programs of
+    `embedding_lengths` the cache lacks go to the helpers too. Returns the helpers (None: none
+    started), the forwards to build now, and those to load once the helpers are done."""
+    cache = runner.executable_cache
+    if cache is None:
+        return None, forwards, []
+    # (job, its forward's build or None) per program missing: forwards first, so that the engine's own
+    # share (the first) is forwards; an embedding program in it is left to `pooling.warmup`
+    missing = [(("forward", bucket), build) for bucket, build in zip(buckets, forwards)
+               if build[1] is not None and not cache.contains(build[1])]
+    if missing:
+        jobs = (("hidden_states", n) for n in embedding_lengths)
+        missing += [(job, None) for job in jobs if not cache.contains(runner.job_build(job)[1])]
+    if helpers is None:
+        helpers = helper_count(len(missing), os.cpu_count() or 1, jax.default_backend(), runner.mesh is None)
+    theirs = [share for share in shares(missing, helpers)[1:] if share]
+    if not theirs:
+        return None, forwards, []
+    later = {build[0] for share in theirs for _, build in share if build is not None}
+    handle = Helpers(runner, [[job for job, _ in share] for share in theirs])
+    return handle, [b for b in forwards if b[0] not in later], [b for b in forwards if b[0] in later]
+
+
 class Helpers:
     """Helper processes building `jobs_per_helper` programs of `runner` into its executable cache
     (`encode_jobs`); `wait` for them, or `stop` them."""

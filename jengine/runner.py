@@ -372,26 +372,22 @@ class ModelRunner:
         return (("forward", layout), self._key("forward", args, (layout,), opts),
                 functools.partial(lambda b: self.trace_forward(b)[1], bucket), opts)
 
-    def _job_build(self, job: tuple) -> tuple:
-        """(key, trace, compiler options) of a build helper's job: `("forward", (T, S))` or
-        `("hidden_states", n)` (the embedding program of padded length n, as `pooling.warmup` builds it)."""
+    def job_build(self, job: tuple) -> tuple:
+        """A build helper's job as `_start_builds` takes it, (name, key, trace, compiler options):
+        `("forward", (T, S))`, or `("hidden_states", n)` (the embedding program of padded length n, as
+        `pooling.warmup` builds it)."""
         kind, what = job
         if kind == "forward":
-            return self._forward_build(what, *self._forward_args(what))[1:]
+            return self._forward_build(what, *self._forward_args(what))
         args, trace = hidden_states_program(self.cfg, self.params, what, self.mesh)
-        return self._key("hidden_states", args), trace, None
+        return (kind, what), self._key("hidden_states", args), trace, None
 
     def build_jobs(self, jobs: list[tuple], workers: int) -> None:
-        """Compile the jobs' programs into the executable cache, those it lacks (`build_helpers`): this
-        thread traces and lowers them one by one while `workers` threads compile, as at warm-up."""
+        """Build the jobs' programs into the executable cache (`build_helpers`), `workers` compiling while
+        this thread traces and lowers, as at warm-up."""
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-            futures = []
-            for job in jobs:
-                key, trace, opts = self._job_build(job)
-                if key is not None and not self.executable_cache.contains(key):
-                    futures.append(pool.submit(self._compile_lowered, trace().lower(), opts, key))
-            for future in futures:
-                future.result()
+            for _ in self._finish_builds(self._start_builds(map(self.job_build, jobs), pool), pool):
+                pass
 
     def warmup(self, progress: bool = True, workers: int | None = None, helpers: int | None = None,
                embedding_lengths: tuple[int, ...] = ()) -> int:
@@ -422,20 +418,7 @@ class ModelRunner:
             logits_of.setdefault(bucket[1], args[-2])
             hidden_of.setdefault(bucket[0], args[-1])
             forwards.append(self._forward_build(bucket, layout, args))
-        # (job, its forward's build or None) per program the cache lacks: forwards first, so that this
-        # thread's share (the first) is forwards; embedding programs go to helpers or wait for pooling
-        missing = [(("forward", bucket), build) for bucket, build in zip(buckets, forwards)
-                   if build[1] is not None and not cache.contains(build[1])]
-        missing += [(job, None) for job in (("hidden_states", n) for n in embedding_lengths)
-                    if cache is not None and not cache.contains(self._job_build(job)[0])]
-        if helpers is None:
-            helpers = build_helpers.helper_count(len(missing), os.cpu_count() or 1, jax.default_backend(),
-                                                 self.mesh is None)
-        theirs = [share for share in build_helpers.shares(missing, helpers)[1:] if share] if missing else []
-        handle = build_helpers.Helpers(self, [[job for job, _ in share] for share in theirs]) if theirs else None
-        later_names = {build[0] for share in theirs for _, build in share if build is not None}
-        later = [build for build in forwards if build[0] in later_names]
-        forwards = [build for build in forwards if build[0] not in later_names]
+        handle, forwards, later = build_helpers.start(self, buckets, forwards, embedding_lengths, helpers)
 
         def samplers():
             for s, logits in logits_of.items():
