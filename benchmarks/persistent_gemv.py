@@ -28,11 +28,13 @@ import argparse
 import functools
 import itertools
 import json
+import re
 import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import non_negative_int, positive_int
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -375,12 +377,12 @@ def _time_chain(args, weights, key, report, results):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tile-k", type=int, nargs="+", default=[256])
-    ap.add_argument("--stages", type=int, nargs="+", default=[6])
-    ap.add_argument("--num-sms", type=int, nargs="+", default=[0],
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--tile-k", type=positive_int, nargs="+", default=[256])
+    ap.add_argument("--stages", type=positive_int, nargs="+", default=[6])
+    ap.add_argument("--num-sms", type=non_negative_int, nargs="+", default=[0],
                     help="programs (0: one per SM); 128 splits every 8B product evenly")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=positive_int, default=20)
     ap.add_argument("--barriers", nargs="+", default=["grid"],
                     help="grid: wait for every SM between products; near<k>: for k SMs; self: only for this "
                          "SM's own signal; none")
@@ -388,14 +390,15 @@ def main(argv=None):
     ap.add_argument("--chain", action="store_true",
                     help="also time persistent_chain (each product's input read from the previous one's output, "
                          "waits only for its producers; 128 programs, tile_k 256) against the same chain in XLA")
-    ap.add_argument("--chain-stages", type=int, nargs="+", default=[5])
+    ap.add_argument("--chain-stages", type=positive_int, nargs="+", default=[5])
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
+    bad = [b for b in args.barriers if b not in ("grid", "self", "none") and not re.fullmatch(r"near[1-9][0-9]*", b)]
+    if bad:
+        ap.error(f"--barriers: {bad[0]!r} is not grid, near<k>, self or none")
     if not gpu_mosaic.on_hopper():
         raise SystemExit(f"persistent_gemv.py needs a Hopper GPU (Pallas Mosaic GPU); this is "
                          f"{jax.devices()[0].device_kind}")
-    if args.layers < 1 or args.reps < 1:
-        ap.error("--layers and --reps must be at least 1")
 
     key = jax.random.key(0)
     shapes = [s for _ in range(args.layers) for s in LAYER]

@@ -39,6 +39,14 @@ def test_bad_arguments_are_value_errors(kwargs, message):
         jax.eval_shape(lambda x, w: pg.persistent_gemv(x, [w], num_sms=132, **{"tile_k": 128, **kwargs}), x, w)
 
 
+@pytest.mark.parametrize("argv,message", [(["--layers", "0"], "--layers"), (["--stages", "-1"], "--stages"),
+                                          (["--barriers", "near0"], "--barriers")])
+def test_bad_flags_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        pg.main(argv)
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.skipif(gpu_mosaic.on_hopper(), reason="the refusal is for machines without a Hopper GPU")
 def test_main_refuses_without_hopper():
     with pytest.raises(SystemExit, match="needs a Hopper GPU"):
