@@ -33,7 +33,7 @@ import jax
 logger = logging.getLogger(__name__)
 
 MAX_HELPERS = 3
-MIN_PROGRAMS_EACH = 3  # a helper's start (imports, its device client: ~3-5 s) must buy at least this many
+MIN_PROGRAMS_EACH = 3  # a helper's start (imports, its device client; not timed alone) must buy at least this many
 CORES_PER_HELPER = 4  # each helper's XLA compiles, beside the main process's pool
 TIMEOUT_S = 900.0
 
