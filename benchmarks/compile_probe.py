@@ -49,14 +49,15 @@ def timed_compiles():
         jax.stages.Lowered.compile = compile_
 
 
-def warmup_breakdown(runner, workers: int) -> dict:
-    """The runner's warm-up with every compile timed: totals, and per program kind its compiles."""
+def warmup_breakdown(builder, workers: int) -> dict:
+    """The engine's warm-up (`builder`, its `ProgramBuilder`) with every compile timed: totals, and per
+    program kind its compiles."""
     with timed_compiles() as records:
         t0 = time.perf_counter()
-        runner.warmup(progress=False, workers=workers)
+        builder.warmup(progress=False, workers=workers)
         total = time.perf_counter() - t0
-    print(f"{len(runner.buckets())} buckets: warm-up {total:.1f} s, of it tracing and lowering "
-          f"{runner.warmup_lowering_seconds:.1f} s, {len(records)} compiles ({workers} threads)")
+    print(f"{len(builder.runner.buckets())} buckets: warm-up {total:.1f} s, of it tracing and lowering "
+          f"{builder.warmup_lowering_seconds:.1f} s, {len(records)} compiles ({workers} threads)")
     kinds = collections.defaultdict(list)
     for name, start, end in records:
         kinds[name].append((start - t0, end - t0))
@@ -67,7 +68,7 @@ def warmup_breakdown(runner, workers: int) -> dict:
                           first_start_s=min(s for s, _ in spans), last_end_s=max(e for _, e in spans))
         print(f"  {name:28} n={len(spans):3d}  sum {sum(took):7.1f} s  each {min(took):5.1f}-{max(took):5.1f} s  "
               f"first start {rows[name]['first_start_s']:5.1f} s  last end {rows[name]['last_end_s']:5.1f} s")
-    return dict(warmup_s=total, lowering_s=runner.warmup_lowering_seconds, compiles=len(records), kinds=rows)
+    return dict(warmup_s=total, lowering_s=builder.warmup_lowering_seconds, compiles=len(records), kinds=rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,7 +108,7 @@ def probe(args) -> dict:
                                     load_format="dummy"), warmup=False, progress=False)
     runner = engine.runner
     if args.warmup:
-        return warmup_breakdown(runner, args.workers)
+        return warmup_breakdown(engine.builder, args.workers)
     buckets = runner.buckets()
 
     def lower(bucket):

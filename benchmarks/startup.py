@@ -84,14 +84,14 @@ def child(args) -> None:
     print(_MARK + json.dumps({"first_token_wall": first_token, "marks": marks,
                               "engine_startup_s": llm.engine.startup_seconds,
                               "engine_phases": llm.engine.startup_phases,
-                              "lowering_s": llm.engine.runner.warmup_lowering_seconds,
-                              "first_runs_s": llm.engine.runner.warmup_first_runs_seconds,
-                              "helpers": llm.engine.runner.build_helpers_finished,
-                              "helpers_wait_s": llm.engine.runner.build_helpers_wait_seconds,
+                              "lowering_s": llm.engine.builder.warmup_lowering_seconds,
+                              "first_runs_s": llm.engine.builder.warmup_first_runs_seconds,
+                              "helpers": llm.engine.builder.build_helpers_finished,
+                              "helpers_wait_s": llm.engine.builder.build_helpers_wait_seconds,
                               "kv_cache_memory": llm.engine.kv_cache_memory,
                               "buckets": llm.engine.num_compiled_buckets, "startup_programs": startup_compiles.count,
                               "startup_cache_hits": startup_compiles.cache_hits,
-                              "executable_cache_hits": llm.engine.runner.executable_cache_hits,
+                              "executable_cache_hits": llm.engine.builder.executable_cache_hits,
                               "compilations_after_warmup": later.count}), flush=True)
 
 

@@ -56,14 +56,15 @@ def shares(items: list, helpers: int) -> list[list]:
     return [list(items[:mine])] + [rest[i::helpers] for i in range(helpers)]
 
 
-def start(runner, buckets: list[tuple[int, int]], forwards: list[tuple], embedding_lengths=(),
+def start(builder, buckets: list[tuple[int, int]], forwards: list[tuple], embedding_lengths=(),
           helpers: int | None = None) -> tuple[Helpers | None, list[tuple], list[tuple]]:
-    """Hand a share of the forwards `runner`'s executable cache lacks to helper processes (`helpers`
-    of them; default `helper_count`). `forwards` are warm-up's builds of `buckets`, in order, as
-    `_start_builds` takes them. When any forward is missing (a cold start), the embedding programs of
-    `embedding_lengths` the cache lacks go to the helpers too. Returns the helpers (None: none
-    started), the forwards to build now, and those to load once the helpers are done."""
-    cache = runner.executable_cache
+    """Hand a share of the forwards the executable cache of `builder` (a `warmup.ProgramBuilder`)
+    lacks to helper processes (`helpers` of them; default `helper_count`). `forwards` are warm-up's
+    builds of `buckets`, in order, as `_start_builds` takes them. When any forward is missing (a cold
+    start), the embedding programs of `embedding_lengths` the cache lacks go to the helpers too.
+    Returns the helpers (None: none started), the forwards to build now, and those to load once the
+    helpers are done."""
+    cache = builder.executable_cache
     if cache is None:
         return None, forwards, []
     # (job, its forward's build or None) per program missing: forwards first, so that the engine's own
@@ -72,23 +73,23 @@ def start(runner, buckets: list[tuple[int, int]], forwards: list[tuple], embeddi
                if build[1] is not None and not cache.contains(build[1])]
     if missing:
         jobs = (("hidden_states", n) for n in embedding_lengths)
-        missing += [(job, None) for job in jobs if not cache.contains(runner.job_build(job)[1])]
+        missing += [(job, None) for job in jobs if not cache.contains(builder.job_build(job)[1])]
     if helpers is None:
-        helpers = helper_count(len(missing), os.cpu_count() or 1, jax.default_backend(), runner.mesh is None)
+        helpers = helper_count(len(missing), os.cpu_count() or 1, jax.default_backend(), builder.runner.mesh is None)
     theirs = [share for share in shares(missing, helpers)[1:] if share]
     if not theirs:
         return None, forwards, []
     later = {build[0] for share in theirs for _, build in share if build is not None}
-    handle = Helpers(runner, [[job for job, _ in share] for share in theirs])
+    handle = Helpers(builder, [[job for job, _ in share] for share in theirs])
     return handle, [b for b in forwards if b[0] not in later], [b for b in forwards if b[0] in later]
 
 
 class Helpers:
-    """Helper processes building `jobs_per_helper` programs of `runner` into its executable cache
-    (`encode_jobs`); `wait` for them, or `stop` them."""
+    """Helper processes building `jobs_per_helper` programs of `builder`'s runner into its executable
+    cache (`encode_jobs`); `wait` for them, or `stop` them."""
 
-    def __init__(self, runner, jobs_per_helper: list[list[tuple]]):
-        cache = runner.executable_cache
+    def __init__(self, builder, jobs_per_helper: list[list[tuple]]):
+        runner, cache = builder.runner, builder.executable_cache
         spec = dict(cfg=runner.cfg, ecfg=runner.ecfg, num_pages=runner.num_pages,
                     params=jax.tree.map(_shape_of, runner.params), root=cache.root,
                     keep_versions=cache.keep_versions, jax_cache_dir=jax.config.jax_compilation_cache_dir)
@@ -161,6 +162,7 @@ def _shape_of(x):
 def main(argv: list[str]) -> None:
     from jengine.executable_cache import ExecutableCache, enable_jax_cache
     from jengine.runner import ModelRunner
+    from jengine.warmup import ProgramBuilder
 
     spec_path, arg = argv
     with open(spec_path, "rb") as f:
@@ -171,8 +173,8 @@ def main(argv: list[str]) -> None:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on)
                           if isinstance(x, jax.ShapeDtypeStruct) else x, spec["params"])
     cache = ExecutableCache(spec["root"], spec["keep_versions"])
-    runner = ModelRunner(spec["cfg"], spec["ecfg"], params, spec["num_pages"], 0, executable_cache=cache)
-    runner.build_jobs(decode_jobs(arg), CORES_PER_HELPER)
+    runner = ModelRunner(spec["cfg"], spec["ecfg"], params, spec["num_pages"], 0)
+    ProgramBuilder(runner, cache).build_jobs(decode_jobs(arg), CORES_PER_HELPER)
 
 
 if __name__ == "__main__":

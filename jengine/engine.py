@@ -34,6 +34,7 @@ from jengine.scheduler import Scheduler, SchedulerOutput
 from jengine.sharding import log_memory, make_mesh, sharded_model_config
 from jengine.step_input import build_step_input
 from jengine.tokenizer import load_tokenizer
+from jengine.warmup import ProgramBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -111,13 +112,14 @@ def token_ids(prompt, vocab: int) -> list[int]:
 
 
 class LLMEngine:
-    """Owns the model runner, the scheduler and the tokenizer; turns requests into outputs."""
+    """Owns the model runner (and the builder of its programs), the scheduler and the tokenizer; turns
+    requests into outputs."""
 
     def __init__(self, config: EngineConfig, *, warmup: bool = True, progress: bool = True, devices=None,
                  embedding_programs: bool = False):
         """`devices`: the device group of this engine (a data-parallel replica); default all devices.
         `embedding_programs`: the caller will compile the embedding programs (`jengine serve`), which
-        warm-up's build helpers then store for it when they run (`ModelRunner.warmup`)."""
+        warm-up's build helpers then store for it when they run (`ProgramBuilder.warmup`)."""
         t0 = time.perf_counter()
         if config.compilation_cache_dir:
             enable_jax_cache(config.compilation_cache_dir)
@@ -145,8 +147,8 @@ class LLMEngine:
         num_cpu_pages = num_host_pages(device_cfg, ecfg, kv_dtype)
         executables = None if not config.compilation_cache_dir else ExecutableCache(
             os.path.join(config.compilation_cache_dir, "jengine-executables"))
-        self.runner = ModelRunner(device_cfg, ecfg, params, num_pages, num_cpu_pages, mesh=mesh,
-                                  executable_cache=executables)
+        self.runner = ModelRunner(device_cfg, ecfg, params, num_pages, num_cpu_pages, mesh=mesh)
+        self.builder = ProgramBuilder(self.runner, executables)
         self.scheduler = Scheduler(
             num_blocks=num_pages, block_size=ecfg.block_size, max_num_batched_tokens=ecfg.max_num_batched_tokens,
             max_num_seqs=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len, eos_token_ids=cfg.eos_token_ids,
@@ -156,7 +158,7 @@ class LLMEngine:
         logger.info("KV cache: %d pages of %d tokens (%d tokens), %d host pages", num_pages, ecfg.block_size,
                     self.kv_cache_tokens, num_cpu_pages)
         lengths = tuple(padded_lengths(ecfg.max_model_len)) if embedding_programs else ()
-        self.num_compiled_buckets = self.runner.warmup(progress, embedding_lengths=lengths) if warmup else 0
+        self.num_compiled_buckets = self.builder.warmup(progress, embedding_lengths=lengths) if warmup else 0
         self.runner.allocate_kv_cache()  # warm-up allocates it after compiling (autotuning needs the memory)
         log_memory("KV cache per device", self.runner.kv_caches)
         self.kv_cache_memory = _kv_memory_report(mem, self.runner.kv_caches)

@@ -1,37 +1,31 @@
 """The device side of one engine iteration: the programs run over a bucket-padded `StepInput`
-(`jengine.step_input`), and `ModelRunner`, which builds them all at warm-up and launches them.
+(`jengine.step_input`), and `ModelRunner`, which launches them.
 
 The forward runs the model over the ragged batch, writes new K/V into the pages and takes the logits
 of each sequence's last scheduled token; the sampling program samples on the device. The cache is
-donated, so XLA updates it in place. Every (tokens, sequences) bucket is compiled at start-up.
+donated, so XLA updates it in place. Every (tokens, sequences) bucket is compiled at start-up
+(`jengine.warmup`).
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
-import itertools
-import logging
 import os
-import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
-from jengine import build_helpers, kv_cache, sharding
+from jengine import kv_cache, sharding
 from jengine.buckets import shape_pairs
 from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
-from jengine.executable_cache import ExecutableCache, describe, reload, source_digest, stores_loaded_executables
-from jengine.generate import hidden_states_program
+from jengine.executable_cache import stores_loaded_executables
 from jengine.models import get_model_family
 from jengine.sampler import (
-    SamplerSwitches,
     build_sampling_tensors,
     compute_logprobs,
     program_inputs,
@@ -39,8 +33,6 @@ from jengine.sampler import (
     sampler_switches,
 )
 from jengine.step_input import StepInput, build_step_input, pack, unpack
-
-logger = logging.getLogger(__name__)
 
 
 class PromptLogprobs(NamedTuple):
@@ -137,7 +129,8 @@ def _sample(logits, ints, floats, ids_buffer, *, layout, filter_k: bool, filter_
 
 
 class ModelRunner:
-    """Owns the params, the KV cache and the compiled step; executes one StepInput at a time.
+    """Owns the params, the KV cache and the compiled step; executes one StepInput at a time. Its
+    programs are built before serving by `warmup.ProgramBuilder`.
 
     XLA re-records the commands of a CUDA graph whose buffers moved since the graph's last run: on an
     H200 1.4-2.1 ms of host time per 8B batch-64 step, every step (benchmarks/RESULTS.md, sessions
@@ -155,14 +148,11 @@ class ModelRunner:
     `mesh`: the tensor-parallel mesh (None: one device). `cfg` is then the model the devices hold
     (`sharding.sharded_model_config`); params arrive sharded; the cache is split by KV heads, and
     every program's output shardings are pinned so that no step sees a new input sharding (no recompiles).
-    `executable_cache`: where warm-up loads compiled programs from and stores them (None: compile all).
     """
 
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, params: dict, num_pages: int, num_host_pages: int,
-                 mesh=None, executable_cache: ExecutableCache | None = None):
+                 mesh=None):
         self.cfg, self.ecfg, self.params, self.mesh = cfg, ecfg, params, mesh
-        self.executable_cache = executable_cache
-        self.executable_cache_hits = 0  # programs warm-up loaded instead of lowering and compiling
         self.embedding_programs: dict[int, jax.stages.Compiled] = {}  # by padded length (pooling.warmup)
         self.num_pages = num_pages
         cache_sharding = None if mesh is None else sharding.kv_cache_sharding(mesh)
@@ -188,7 +178,8 @@ class ModelRunner:
         # Whether programs run as CUDA graphs (GPUs). Only then are decode buckets' forwards twinned
         # (elsewhere a program has no graph, and on the CPU a copy of one JAX loaded from its cache would
         # not run), and does warm-up run every program once (a first run records the graphs, tens of ms of
-        # host time, `_run_every_program`; on the CPU running the largest buckets costs more than it saves).
+        # host time, `ProgramBuilder._run_every_program`; on the CPU running the largest buckets costs
+        # more than it saves).
         self.graphs = stores_loaded_executables()
         self._twins: dict[tuple, jax.stages.Compiled] = {}  # layout -> the forward's second copy
         self._runs: collections.Counter = collections.Counter()  # layout -> steps so far
@@ -203,12 +194,7 @@ class ModelRunner:
                                static_argnames=("layout", "filter_k", "filter_p", "random", "top_logprobs", "small_k"),
                                **smp)
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
-        self._compiled: dict[tuple, jax.stages.Compiled] = {}  # filled by warmup(), in parallel
-        self._key_context = None  # (params described, closure) of every program's cache key, made once (`_key`)
-        self.warmup_lowering_seconds = 0.0  # warm-up's time tracing and lowering (one thread), for reports
-        self.warmup_first_runs_seconds = 0.0  # warm-up's time running every program once, for reports
-        self.build_helpers_finished = 0  # build helper processes that finished cleanly at warm-up
-        self.build_helpers_wait_seconds = 0.0  # how long warm-up waited for them after its own share
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}  # filled at warm-up (`ProgramBuilder`), in parallel
 
     def allocate_kv_cache(self) -> None:
         if self.kv_caches is None:
@@ -300,207 +286,10 @@ class ModelRunner:
                                      top_logprobs=top, small_k=small_k)
         return self._prompt_logprobs
 
-    def _key(self, program: str, args: tuple, statics: tuple = (), compiler_options: dict | None = None
-             ) -> str | None:
-        """The executable cache's key of a program over `args` (None: no cache). Every program closes
-        over the model config, the mesh and the model family's source; the params are described once."""
-        cache = self.executable_cache
-        if cache is None:
-            return None
-        if self._key_context is None:
-            family = get_model_family(self.cfg.architecture)
-            closure = (self.cfg, self.mesh, source_digest((family.forward, family.compute_logits)))
-            self._key_context = describe(self.params), closure
-        params_text, closure = self._key_context
-        inputs = [params_text if arg is self.params else describe(arg) for arg in args]
-        return cache.key(program, inputs, closure=closure, statics=statics, compiler_options=compiler_options)
-
-    def _start_builds(self, programs, pool: concurrent.futures.Executor, twinned=frozenset()) -> list[tuple]:
-        """Starts each `(name, key, trace, compiler options)` of `programs` in `pool`: a load where the
-        executable cache holds the key (and a second one for a name in `twinned`), else a compile of
-        the program that `trace()` traces. This thread traces and lowers those, one at a time in the
-        given order, while the pool loads and compiles: lowering is Python (it holds the GIL anyway),
-        and the module text must not depend on what other threads lower meanwhile, since the persistent
-        compilation cache keys on it (concurrent lowerings of the Mosaic GPU attention kernel missed an
-        earlier process's cache). Returns the builds for `_finish_builds`."""
-        cache, builds = self.executable_cache, []
-        for name, key, trace, opts in programs:
-            stored = key is not None and cache.contains(key)
-            if stored:  # a twinned forward's second copy loads from the entry too, alongside the first
-                job = pool.submit(cache.load, key)
-                twin = pool.submit(cache.load, key) if name in twinned else None
-            else:
-                job, twin = pool.submit(self._compile_lowered, trace().lower(), opts, key), None
-            builds.append((name, key, trace, opts, stored, job, twin, name in twinned))
-        return builds
-
-    def _finish_builds(self, builds: list[tuple], pool: concurrent.futures.Executor):
-        """`(name, executable, future of its second copy or None)` per build, in order. An entry that
-        would not load is compiled (and stored again) after all; a twinned program compiled here gets
-        its second copy by `reload`."""
-        for name, key, trace, opts, stored, job, twin, twinned in builds:
-            compiled = job.result()
-            if stored and compiled is not None:
-                self.executable_cache_hits += 1
-            elif stored:
-                compiled = self._compile_lowered(trace().lower(), opts, key)
-            if twinned and (twin is None or twin.result() is None):
-                twin = pool.submit(reload, compiled)
-            yield name, compiled, twin
-
-    def _compile_lowered(self, lowered: jax.stages.Lowered, compiler_options: dict | None, key: str | None):
-        cache = self.executable_cache
-        return lowered.compile(compiler_options) if key is None else cache.compile(key, lowered, compiler_options)
-
-    def compile_programs(self, programs: dict) -> dict:
-        """Programs outside the step buckets (the embedding programs), `{name: (program, args, trace)}`:
-        loaded from the executable cache where it holds them, else traced (`trace()`), lowered,
-        compiled and stored there; loads and compiles in parallel, as at warm-up."""
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as pool:
-            builds = self._start_builds(((name, self._key(program, args), trace, None)
-                                         for name, (program, args, trace) in programs.items()), pool)
-            return {name: compiled for name, compiled, _ in self._finish_builds(builds, pool)}
-
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
         """A padding-only StepInput of the given bucket (writes nothing, reads nothing)."""
         sampling = build_sampling_tensors([], num_seqs, self.cfg.vocab_size)
         return build_step_input([], num_tokens, num_seqs, self.ecfg.pages_per_seq, self.ecfg.block_size, sampling)
-
-    def _forward_build(self, bucket: tuple[int, int], layout, args) -> tuple:
-        """A (T, S) bucket's forward as `_start_builds` takes it: (name, key, trace, compiler options)."""
-        opts = forward_compiler_options(bucket[0])
-        return (("forward", layout), self._key("forward", args, (layout,), opts),
-                functools.partial(lambda b: self.trace_forward(b)[1], bucket), opts)
-
-    def job_build(self, job: tuple) -> tuple:
-        """A build helper's job as `_start_builds` takes it, (name, key, trace, compiler options):
-        `("forward", (T, S))`, or `("hidden_states", n)` (the embedding program of padded length n, as
-        `pooling.warmup` builds it)."""
-        kind, what = job
-        if kind == "forward":
-            return self._forward_build(what, *self._forward_args(what))
-        args, trace = hidden_states_program(self.cfg, self.params, what, self.mesh)
-        return (kind, what), self._key("hidden_states", args), trace, None
-
-    def build_jobs(self, jobs: list[tuple], workers: int) -> None:
-        """Build the jobs' programs into the executable cache (`build_helpers`), `workers` compiling while
-        this thread traces and lowers, as at warm-up."""
-        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-            for _ in self._finish_builds(self._start_builds(map(self.job_build, jobs), pool), pool):
-                pass
-
-    def warmup(self, progress: bool = True, workers: int | None = None, helpers: int | None = None,
-               embedding_lengths: tuple[int, ...] = ()) -> int:
-        """Compile every program before serving, `workers` at a time (XLA compiles without the GIL):
-        the forward per (T, S) bucket, sampling per S in each of its variants and prompt logprobs
-        per T (their input shapes come from the forwards' outputs), and the page moves.
-        A program found in the executable cache is loaded instead, with no tracing, lowering or compile;
-        forwards it lacks are shared with `helpers` build helper processes (default: `build_helpers.
-        helper_count`), which store them there while this thread builds its own share. Helpers also
-        store the embedding programs of `embedding_lengths` (`jengine serve`'s, which `pooling.warmup`
-        then loads); without helpers those are left to it.
-        Every step then runs an executable made here; the KV cache is allocated once they are
-        compiled. Returns the number of buckets."""
-        buckets = self.buckets()
-        workers = workers or max(1, min(16, os.cpu_count() or 1))
-        bar = tqdm(total=len(buckets), desc="Compiling buckets", disable=not progress)
-        cache = self.executable_cache
-        # The sampling and prompt-logprob programs, quick to lower but 1-5 s of XLA compile each, go to
-        # the pool first and compile while this thread lowers the forwards (~1-2 s each on an H200, their
-        # Mosaic GPU kernels most of it). Lowered last instead, their compiles piled up after the
-        # forwards': the engine started ~10 s later (RESULTS.md, session 25).
-        started = time.perf_counter()
-        forwards, logits_of, hidden_of, twinned = [], {}, {}, set()
-        for bucket in buckets:
-            layout, args = self._forward_args(bucket)
-            if self._twinned(bucket):
-                twinned.add(("forward", layout))
-            logits_of.setdefault(bucket[1], args[-2])
-            hidden_of.setdefault(bucket[0], args[-1])
-            forwards.append(self._forward_build(bucket, layout, args))
-        handle, forwards, later = build_helpers.start(self, buckets, forwards, embedding_lengths, helpers)
-
-        def samplers():
-            for s, logits in logits_of.items():
-                for variant in SAMPLER_VARIANTS:
-                    s_ints, s_floats, s_layout = self._dummy_sampling(s, variant)
-                    args = (logits, s_ints, s_floats, self.prev_ids)
-                    trace = functools.partial(self._sample.trace, *args, layout=s_layout, filter_k=variant[0],
-                                              filter_p=variant[1], random=variant[2], top_logprobs=variant[3],
-                                              small_k=variant[4])
-                    yield ("sample", s_layout, *variant), self._key("sample", args, (s_layout, *variant)), trace, None
-
-        def prompt_logprobs():
-            for t, hidden in hidden_of.items():
-                args = (self.params, hidden, np.zeros(t, np.int32))
-                trace = functools.partial(self._prompt_logprobs.trace, *args)
-                yield ("prompt_logprobs", t), self._key("prompt_logprobs", args), trace, None
-
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            try:
-                builds = self._start_builds(itertools.chain(samplers(), prompt_logprobs(), forwards), pool, twinned)
-            except BaseException:
-                if handle is not None:
-                    handle.stop()
-                raise
-            self.warmup_lowering_seconds = time.perf_counter() - started
-            if handle is not None:  # then load what the helpers stored (and build what they did not)
-                self.build_helpers_finished = handle.wait()
-                self.build_helpers_wait_seconds = time.perf_counter() - started - self.warmup_lowering_seconds
-                builds += self._start_builds(later, pool, twinned)
-            twins = {}
-            for name, compiled, twin in self._finish_builds(builds, pool):
-                self._compiled[name] = compiled
-                if twin is not None:
-                    twins[name[1]] = twin
-                if name[0] == "forward":
-                    bar.update()
-            self._twins.update((layout, job.result()) for layout, job in twins.items())
-        bar.close()
-        if cache is not None:
-            logger.info("executable cache: %d of %d programs loaded from %s", self.executable_cache_hits,
-                        len(self._compiled), cache.directory)
-        self.allocate_kv_cache()
-        for bucket in buckets:  # every bucket's output buffers, before the first step
-            self._output_buffers(bucket)
-        self._run_every_program(buckets if self.graphs else buckets[:1])
-        self.kv_caches = kv_cache.copy_pages(self.kv_caches, [(0, 0)])
-        if self.host_pool.pages is not None:
-            self.host_pool.swap_out(self.kv_caches, [(0, 0)])
-            self.kv_caches = self.host_pool.swap_in(self.kv_caches, [(0, 0)])
-        jax.block_until_ready(self.kv_caches)
-        return len(buckets)
-
-    def _twinned(self, bucket: tuple[int, int]) -> bool:
-        """Whether warm-up loads a second copy of this bucket's forward (decode-sized buckets on GPUs)."""
-        return self.graphs and bucket[0] <= self.max_seqs
-
-    def _dummy_sampling(self, num_seqs: int, variant: tuple[bool, ...]):
-        """Packed sampling inputs `(ints, floats, layout)` of a padding-only batch for a sampler variant."""
-        tensors = build_sampling_tensors([], num_seqs, self.cfg.vocab_size)
-        return pack(program_inputs(tensors, SamplerSwitches(*variant)))
-
-    def _run_every_program(self, buckets: list[tuple[int, int]]) -> None:
-        """Run every program of `buckets` once, on padding-only inputs (which read and write no page):
-        each bucket's forward (both copies of a twinned one) with prompt logprobs once per T, and every
-        sampler variant per S. An executable's first run costs the host tens of ms (XLA records and
-        instantiates its CUDA graphs); run here, that is start-up time instead of a stall at the first
-        step of each bucket (on an H200 the throughput run lost ~0.1 s to them, RESULTS.md session 23).
-        Also checks that the executables run."""
-        started = time.perf_counter()
-        with_logprobs = set()
-        for bucket in buckets:
-            inp = self.dummy_input(*bucket)
-            for _ in range(2 if self._twinned(bucket) else 1):
-                self.execute(inp, prompt_logprobs=bucket[0] not in with_logprobs)
-                with_logprobs.add(bucket[0])
-        for num_seqs in sorted({s for _, s in buckets}):
-            for variant in SAMPLER_VARIANTS:
-                s_ints, s_floats, s_layout = self._dummy_sampling(num_seqs, variant)
-                self.prev_ids, _ = self._program("sample", s_layout, *variant)(
-                    self._logits[num_seqs], s_ints, s_floats, self.prev_ids)
-        jax.block_until_ready(self.prev_ids)
-        self.warmup_first_runs_seconds = time.perf_counter() - started
 
     def copy_pages(self, pairs):
         self.kv_caches = kv_cache.copy_pages(self.kv_caches, pairs)

@@ -48,10 +48,10 @@ elif sys.argv[3] == "decoy":  # a working directory holding another `jengine`: t
     os.chdir(os.path.join(sys.argv[1], "decoy"))
 llm = LLM("jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
           token_buckets=(16, 32, 64), seq_buckets=(2, 4), compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
-runner = llm.engine.runner
+builder = llm.engine.builder
 outs = llm.generate([[1, 2, 3, 4, 5], [7, 8, 9]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                     use_tqdm=False)
-print(json.dumps({"hits": runner.executable_cache_hits, "finished": runner.build_helpers_finished,
+print(json.dumps({"hits": builder.executable_cache_hits, "finished": builder.build_helpers_finished,
                   "tokens": [o.outputs[0].token_ids for o in outs]}))
 """
 
@@ -98,7 +98,7 @@ build_helpers.helper_count = lambda *a: int(sys.argv[2])
 config = EngineConfig(model="jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
                       token_buckets=(16, 32, 64), seq_buckets=(2, 4), compilation_cache_dir=sys.argv[1])
 engine, programs = build_serving_engine(config, progress=False)
-print(json.dumps({"hits": engine.runner.executable_cache_hits, "programs": programs}))
+print(json.dumps({"hits": engine.builder.executable_cache_hits, "programs": programs}))
 """
 
 

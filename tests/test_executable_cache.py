@@ -36,8 +36,9 @@ import jengine.runner
 for name in ("_forward", "_sample", "_prompt_logprobs"):  # each runs only while its program is traced
     fn = getattr(jengine.runner, name)
     setattr(jengine.runner, name, functools.wraps(fn)(lambda *a, _fn=fn, **k: traces.append(1) or _fn(*a, **k)))
-reloads, reload = [], jengine.runner.reload
-jengine.runner.reload = lambda compiled: reloads.append(1) or reload(compiled)
+import jengine.warmup
+reloads, reload = [], jengine.warmup.reload
+jengine.warmup.reload = lambda compiled: reloads.append(1) or reload(compiled)
 if os.environ.get("TWINS"):  # twinned decode forwards, as on GPUs (each copy's first run checks it works)
     jengine.runner.stores_loaded_executables = lambda: True
 from jengine import LLM, SamplingParams
@@ -46,7 +47,7 @@ llm = LLM("jengine/tiny-llama", max_model_len=64, max_num_seqs=2, max_num_batche
           seq_buckets=(2,), compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
 out = llm.generate(["The cache"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
 runner = llm.engine.runner
-print(json.dumps({"hits": runner.executable_cache_hits, "programs": len(runner._compiled),
+print(json.dumps({"hits": llm.engine.builder.executable_cache_hits, "programs": len(runner._compiled),
                   "lowerings": len(lowerings), "traces": len(traces), "tokens": out[0].outputs[0].token_ids,
                   "twins": len(runner._twins), "reloads": len(reloads)}))
 """

@@ -43,7 +43,7 @@ def test_warmup_runs_every_program_it_made(llm, monkeypatch):
     real = type(runner)._program
     monkeypatch.setattr(type(runner), "_program", lambda self, kind, *key: ran.append((kind, *key)) or real(
         self, kind, *key))
-    runner._run_every_program(runner.buckets())
+    llm.engine.builder._run_every_program(runner.buckets())
     assert set(ran) == set(runner._compiled)
     assert {k[0] for k in ran} == {"forward", "sample", "prompt_logprobs"}
 

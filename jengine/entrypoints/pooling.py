@@ -33,7 +33,7 @@ def warmup(engine) -> int:
     """Compile (or load) the embedding program for every padded input length, kept on the engine's
     runner; returns how many."""
     runner = engine.runner
-    runner.embedding_programs = runner.compile_programs({
+    runner.embedding_programs = engine.builder.compile_programs({
         n: ("hidden_states", *hidden_states_program(runner.cfg, runner.params, n, runner.mesh))
         for n in padded_lengths(engine.config.max_model_len)})
     return len(runner.embedding_programs)
