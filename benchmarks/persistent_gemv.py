@@ -160,10 +160,17 @@ def persistent_gemv(x, weights, *, tile_k=256, stages=6, barrier="grid", num_sms
         thread_name="wg")(x, *weights)
 
 
-# Programs per product's n-blocks (rows) and k-groups (columns): every program owns a rectangle of
-# n-blocks x k-blocks, so each output block has `groups` producers and each program needs its k-group of
-# the input only. Values for 128 programs and tile_k 256 (QKV, O, gate/up, down).
-CHAIN_GROUPS = (4, 4, 4, 8)
+# How each product of a layer (QKV, O, gate/up, down) is split and ordered: (k-groups, order). Every
+# program owns a rectangle of n-blocks x k-blocks, so each output block has `groups` producers and each
+# program needs its k-group of the input only. Order "k": k-block by k-block, an accumulator per n-block
+# (it can start on its first input block, but its outputs complete only when its whole share does).
+# Order "n": its whole k-group of input first, then n-block by n-block (each output block complete in
+# turn, so a "k" consumer can start before the product ends). A dense matrix-vector chain can overlap
+# only such "n" -> "k" boundaries: every output of a product needs every input.
+CHAIN_SCHEDULES = {
+    "k": ((4, "k"), (4, "k"), (4, "k"), (8, "k")),
+    "alt": ((16, "n"), (8, "k"), (8, "n"), (8, "k")),
+}
 HALF = LAYER[3][1]  # gate rows, then up rows, in the gate/up product's output
 
 
@@ -173,52 +180,87 @@ def _fence_async_global():
     inline_ptx("fence.proxy.async.global;")
 
 
-def chain_plan(layers, tile_k, num_sms, groups=CHAIN_GROUPS):
-    """Per product: (groups, n-blocks per program, k-blocks per program, the program's first ring slot)."""
+def chain_plan(layers, tile_k, num_sms, schedule="k"):
+    """Per product: (groups, n-blocks per program, k-blocks per program, the program's first ring slot,
+    order)."""
+    if schedule not in CHAIN_SCHEDULES:
+        raise ValueError(f"persistent_chain: schedule must be one of {sorted(CHAIN_SCHEDULES)}, got {schedule!r}")
     plan, offset = [], 0
     for p, (n, k) in enumerate(LAYER * layers):
-        g = groups[p % 4]
+        g, order = CHAIN_SCHEDULES[schedule][p % 4]
         if num_sms % g or (n // ROWS) % (num_sms // g) or k % tile_k or (k // tile_k) % g:
             raise ValueError(f"persistent_chain: product {p} [N, K] = {(n, k)} does not split into {num_sms} "
                              f"programs of {g} k-groups with tile_k {tile_k}")
         nbr, kbr = (n // ROWS) // (num_sms // g), (k // tile_k) // g
-        plan.append((g, nbr, kbr, offset))
+        if order == "n" and (kbr > 2 or p % 4 == 3):
+            raise ValueError(f"persistent_chain: product {p} in order 'n' needs at most 2 k-blocks per program "
+                             f"and cannot be down (got {kbr})")
+        plan.append((g, nbr, kbr, offset, order))
         offset += nbr * kbr
     return plan
 
 
-def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan):
+def _k_block(plan, p, j, gi, tile_k):
+    """The j-th k-block program group `gi` of product p reads. After an "n" product, a program of two
+    k-blocks reads first the one whose producers complete it first (its level in their shares)."""
+    _, _, kbr, _, _ = plan[p]
+    first = gi * kbr
+    if p == 0 or kbr != 2 or plan[p - 1][4] != "n" or plan[p - 1][1] % (tile_k // ROWS):
+        return first + j
+    per = tile_k // ROWS
+    level = lambda r: lax.rem(r * per, plan[p - 1][1]) // per  # noqa: E731
+    swap = (level(first) > level(first + 1)).astype(jnp.int32)
+    return first + swap + j * (1 - 2 * swap)
+
+
+def _tile_at(plan, p, q, gi, ri, tile_k):
+    """Product p's q-th tile in a program's order: (n-block, k-block)."""
+    _, nbr, kbr, _, order = plan[p]
+    j, i = (q // nbr, q % nbr) if order == "k" else (q % kbr, q // kbr)
+    return ri * nbr + i, _k_block(plan, p, j, gi, tile_k)
+
+
+def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, lag, ahead):
     """A chain of dependent products: QKV; O over QKV's first 4096 rows (in place of attention); gate/up;
     down over silu(gate) * up; the next layer's QKV over down's output. Each program adds its partial
     products into f32 outputs (TMA reduce-add) and counts each finished n-block on its row block's
-    semaphore; a consumer waits for the row blocks its k-group reads, and nothing else."""
+    semaphore; a consumer waits for the row blocks its k-group reads, and nothing else.
+    `lag`: an "n" product counts an n-block once the stores of the `lag` after it are issued (waiting for
+    a store to land stalls the compute warpgroup); the sums leave through lag + 2 shared-memory slots.
+    `ahead`: a "k" product starts loading an input k-block this many k-blocks before it multiplies it
+    (and waits for its producers then).
+    `skip` (timing diagnostics, whose results are wrong): "waits" for producers; "inputs", each k-block's
+    load and conversion; "stores", the sums' stores and counts (with "waits" only)."""
     phases = 4 * layers
     shapes = LAYER * layers
     w_refs, y_refs = refs[:phases], refs[phases:2 * phases]
     w_smem, x_smem, stage, o_smem, produced, consumed, in_bars = refs[2 * phases:]
     sm, wg = lax.axis_index("sm"), lax.axis_index("wg")
+    per = tile_k // ROWS  # n-blocks per row block of a consumer's k-block
+    slots = lag + 2
     base = [0]
     for n, _ in shapes:
         base.append(base[-1] + n // tile_k)
     sems = pl.get_global(plgpu.SemaphoreType.REGULAR((base[-1] + 1,)))
     start = base[-1]
+    def weight_tile(p, q):
+        g = plan[p][0]
+        nb, kb = _tile_at(plan, p, q, lax.rem(sm, g), sm // g, tile_k)
+        return w_refs[p].at[pl.ds(nb * ROWS, ROWS), pl.ds(kb * tile_k, tile_k)]
 
     @pl.when(wg == 1)
     def _copier():
         plgpu.set_max_registers(40, action="decrease")
-        for p, (g, nbr, kbr, off) in enumerate(plan):
-            gi, ri = lax.rem(sm, g), sm // g
+        for p, (_, nbr, kbr, off, order) in enumerate(plan):
+            outer, inner = (kbr, nbr) if order == "k" else (nbr, kbr)
 
-            @pl.loop(0, kbr)
-            def _(j, p=p, kbr=kbr, off=off, gi=gi, ri=ri, nbr=nbr):
-                kb = gi * kbr + j
-                for i in range(nbr):
-                    gl = off + j * nbr + i
+            @pl.loop(0, outer)
+            def _(a, p=p, off=off, inner=inner):
+                for b in range(inner):
+                    gl = off + a * inner + b
                     slot = lax.rem(gl, stages)
                     pl.when(gl >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
-                    nb = ri * nbr + i
-                    plgpu.copy_gmem_to_smem(w_refs[p].at[pl.ds(nb * ROWS, ROWS), pl.ds(kb * tile_k, tile_k)],
-                                            w_smem.at[slot], produced.at[slot])
+                    plgpu.copy_gmem_to_smem(weight_tile(p, a * inner + b), w_smem.at[slot], produced.at[slot])
 
     @pl.when(wg == 0)
     def _compute():
@@ -234,67 +276,117 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan):
         _fence_async_global()
         plgpu.semaphore_signal(sems.at[start], 1, memory_scope="gpu")
         plgpu.semaphore_wait(sems.at[start], num_sms, decrement=False, memory_scope="gpu")
+        zero = functools.partial(plgpu.layout_cast, jnp.zeros((ROWS, COLS), jnp.float32), plgpu.Layout.WGMMA)
 
-        for p, (g, nbr, kbr, off) in enumerate(plan):
+        for p, (g, nbr, kbr, off, order) in enumerate(plan):
             gi, ri = lax.rem(sm, g), sm // g
             kind = p % 4
             src = x0_ref if p == 0 else y_refs[p - 1]
-            need = None if p == 0 else plan[p - 1][0] * (tile_k // ROWS)  # signals per row block: producers x n-blocks
+            # Signals a row block of input gets: its producers x n-blocks.
+            need = plan[p - 1][0] * per if p and "waits" not in skip else None
 
-            def issue(j, kind=kind, src=src, need=need, gi=gi, kbr=kbr, p=p):
-                kb = gi * kbr + j
+            def issue(j, buf, kind=kind, src=src, need=need, gi=gi, p=p):
+                """Wait for the producers of the j-th k-block, then start loading it into stage[buf]."""
+                if "inputs" in skip:
+                    return
+                kb = _k_block(plan, p, j, gi, tile_k)
                 if need is not None:
                     plgpu.semaphore_wait(sems.at[base[p - 1] + kb], need, decrement=False, memory_scope="gpu")
                     if kind == 3:
                         plgpu.semaphore_wait(sems.at[base[p - 1] + HALF // tile_k + kb], need, decrement=False,
                                              memory_scope="gpu")
                     _fence_async_global()
-                plgpu.copy_gmem_to_smem(src.at[pl.ds(kb * tile_k, tile_k)], stage.at[j % 2, 0],
-                                        in_bars.at[2 * (j % 2)])
+                plgpu.copy_gmem_to_smem(src.at[pl.ds(kb * tile_k, tile_k)], stage.at[buf, 0], in_bars.at[2 * buf])
                 if kind == 3:
-                    plgpu.copy_gmem_to_smem(src.at[pl.ds(HALF + kb * tile_k, tile_k)], stage.at[j % 2, 1],
-                                            in_bars.at[2 * (j % 2) + 1])
+                    plgpu.copy_gmem_to_smem(src.at[pl.ds(HALF + kb * tile_k, tile_k)], stage.at[buf, 1],
+                                            in_bars.at[2 * buf + 1])
 
-            issue(0)
-
-            def k_step(j, accs, kind=kind, kbr=kbr, nbr=nbr, off=off, issue=issue):
-                pl.when(j + 1 < kbr)(lambda: issue(j + 1))
-                half = lax.rem(j, 2)
-                plgpu.barrier_wait(in_bars.at[2 * half])
-                v = plgpu.load(stage.at[half, 0], layout=plgpu.Layout.WGMMA)
+            def operand(buf, kind=kind):
+                """The loaded k-block (silu(gate) * up for down) as the wgmma's bf16 operand, x_smem[buf]."""
+                if "inputs" in skip:
+                    return
+                plgpu.barrier_wait(in_bars.at[2 * buf])
+                v = plgpu.load(stage.at[buf, 0], layout=plgpu.Layout.WGMMA)
                 if kind == 3:
-                    plgpu.barrier_wait(in_bars.at[2 * half + 1])
-                    u = plgpu.load(stage.at[half, 1], layout=plgpu.Layout.WGMMA)
+                    plgpu.barrier_wait(in_bars.at[2 * buf + 1])
+                    u = plgpu.load(stage.at[buf, 1], layout=plgpu.Layout.WGMMA)
                     v = v / (1.0 + jnp.exp(-v)) * u
-                x_smem.at[half].transpose((1, 0))[...] = v.astype(x_smem.dtype)
+                x_smem.at[buf].transpose((1, 0))[...] = v.astype(x_smem.dtype)
+
+            def tile(gl, buf, acc):
+                slot = lax.rem(gl, stages)
+                plgpu.barrier_wait(produced.at[slot])
+
+                def mm(acc_ref):
+                    plgpu.wgmma(acc_ref, w_smem.at[slot], x_smem.at[buf].transpose((1, 0)))
+                out = pl.run_state(mm)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(consumed.at[slot])
+                return out
+
+            def store(acc, i, nb, p=p):
+                """Add n-block nb's sums into the output, through slot i % slots."""
+                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+                o_smem.at[i % slots][...] = acc
+                if "stores" in skip:
+                    return
                 plgpu.commit_smem()
-                new = []
+                plgpu.copy_smem_to_gmem(o_smem.at[i % slots], y_refs[p].at[pl.ds(nb * ROWS, ROWS)],
+                                        reduction_op="add")
+
+            def signal(nb, p=p):
+                if "stores" in skip:
+                    return
+                plgpu.semaphore_signal(sems.at[base[p] + nb // per], 1, memory_scope="gpu")
+
+            if order == "k":
+                for j in range(min(ahead, kbr)):
+                    issue(j, j)
+
+                def k_step(j, accs, kbr=kbr, nbr=nbr, off=off, issue=issue, operand=operand, tile=tile):
+                    buf = lax.rem(j, 2)
+                    if ahead == 1:
+                        pl.when(j + 1 < kbr)(lambda: issue(j + 1, 1 - buf))
+                    operand(buf)
+                    if ahead == 2:  # stage[buf] is free again once read
+                        pl.when(j + 2 < kbr)(lambda: issue(j + 2, buf))
+                    plgpu.commit_smem()
+                    return tuple(tile(off + j * nbr + i, buf, accs[i]) for i in range(nbr))
+
+                accs = lax.fori_loop(0, kbr, k_step, tuple(zero() for _ in range(nbr)))
                 for i in range(nbr):
-                    slot = lax.rem(off + j * nbr + i, stages)
-                    plgpu.barrier_wait(produced.at[slot])
-
-                    def mm(acc_ref, slot=slot):
-                        plgpu.wgmma(acc_ref, w_smem.at[slot], x_smem.at[half].transpose((1, 0)))
-                    new.append(pl.run_state(mm)(plgpu.ACC.init(accs[i])))
-                    plgpu.barrier_arrive(consumed.at[slot])
-                return tuple(new)
-
-            zero = plgpu.layout_cast(jnp.zeros((ROWS, COLS), jnp.float32), plgpu.Layout.WGMMA)
-            accs = lax.fori_loop(0, kbr, k_step, (zero,) * nbr)
-            for i in range(nbr):
-                nb = ri * nbr + i
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                o_smem.at[i % 2][...] = accs[i]
+                    store(accs[i], i, ri * nbr + i)
+                plgpu.wait_smem_to_gmem(0)
+                _fence_async_global()
+                for i in range(nbr):
+                    signal(ri * nbr + i)
+            else:
+                for j in range(kbr):
+                    issue(j, j)
+                for j in range(kbr):
+                    operand(j)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[i % 2], y_refs[p].at[pl.ds(nb * ROWS, ROWS)], reduction_op="add")
-            plgpu.wait_smem_to_gmem(0)
-            _fence_async_global()
-            for i in range(nbr):
-                nb = ri * nbr + i
-                plgpu.semaphore_signal(sems.at[base[p] + nb * ROWS // tile_k], 1, memory_scope="gpu")
+
+                @pl.loop(0, nbr)
+                def _(i, kbr=kbr, nbr=nbr, off=off, ri=ri, tile=tile, store=store, signal=signal):
+                    acc = zero()
+                    for j in range(kbr):
+                        acc = tile(off + i * kbr + j, j, acc)
+                    nb = ri * nbr + i
+                    store(acc, i, nb)
+
+                    @pl.when(i >= lag)
+                    def _():  # the sums of the n-block `lag` before have landed: count it
+                        plgpu.wait_smem_to_gmem(lag)
+                        _fence_async_global()
+                        signal(nb - lag)
+
+                plgpu.wait_smem_to_gmem(0)
+                _fence_async_global()
+                for i in range(max(0, nbr - lag), nbr):
+                    signal(ri * nbr + i)
 
 
-def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, groups=CHAIN_GROUPS):
+def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule="k", skip=(), lag=2, ahead=1):
     """x0: [4096, 8] f32 (the first QKV's input, one column per sequence); weights: 4 x layers [N, K] bf16
     in LAYER's order. Returns every product's output [N, 8] f32."""
     layers = len(weights) // 4
@@ -303,14 +395,21 @@ def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, groups=C
     if any(w.dtype != jnp.bfloat16 for w in weights) or x0.shape != (LAYER[0][1], COLS) or x0.dtype != jnp.float32:
         raise ValueError(f"persistent_chain: weights must be bf16 and x0 [{LAYER[0][1]}, {COLS}] f32, got "
                          f"{sorted({str(w.dtype) for w in weights})} and {x0.dtype}{list(x0.shape)}")
-    plan = chain_plan(layers, tile_k, num_sms, groups)
+    plan = chain_plan(layers, tile_k, num_sms, schedule)
+    skip = frozenset(skip)
+    if ahead not in (1, 2) or lag < 1:
+        raise ValueError(f"persistent_chain: ahead must be 1 or 2 and lag at least 1, got {ahead} and {lag}")
+    if not skip <= {"waits", "inputs", "stores"} or ("stores" in skip and "waits" not in skip):
+        raise ValueError(f"persistent_chain: skip must hold 'waits', 'inputs', 'stores' ('stores' only with "
+                         f"'waits'), got {sorted(skip)}")
     out_type = [jax.ShapeDtypeStruct((n, COLS), jnp.float32) for n, _ in LAYER * layers]
     scratch = [_tiled((stages, ROWS, tile_k), jnp.bfloat16), _tiled((2, COLS, tile_k), jnp.bfloat16),
-               plgpu.SMEM((2, 2, tile_k, COLS), jnp.float32), plgpu.SMEM((2, ROWS, COLS), jnp.float32),
+               plgpu.SMEM((2, 2, tile_k, COLS), jnp.float32), plgpu.SMEM((lag + 2, ROWS, COLS), jnp.float32),
                plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                plgpu.Barrier(num_barriers=4)]
     return plgpu.kernel(
-        functools.partial(_chain_kernel, layers=layers, tile_k=tile_k, stages=stages, num_sms=num_sms, plan=plan),
+        functools.partial(_chain_kernel, layers=layers, tile_k=tile_k, stages=stages, num_sms=num_sms, plan=plan,
+                          skip=skip, lag=lag, ahead=ahead),
         out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",), num_threads=2,
         thread_name="wg")(x0, *weights)
 
@@ -360,9 +459,13 @@ def _time_chain(args, weights, key, report, results):
     ref_fn = jax.jit(chain_reference)
     ref = ref_fn(x0, ws)
     report("xla chain (8 sequences)", _time(ref_fn, x0, ws, reps=args.reps))
-    for stages in args.chain_stages:
-        name = f"persistent chain tile_k=256 stages={stages}"
-        fn = jax.jit(functools.partial(persistent_chain, stages=stages))
+    variants = itertools.product(args.chain_schedules, args.chain_stages, args.chain_lag, args.chain_ahead,
+                                 [""] + args.chain_skip)
+    for schedule, stages, lag, ahead, skip in variants:
+        name = (f"persistent chain {schedule} stages={stages} lag={lag} ahead={ahead}"
+                + (f" skip {skip} (wrong results)" if skip else ""))
+        fn = jax.jit(functools.partial(persistent_chain, stages=stages, schedule=schedule, lag=lag, ahead=ahead,
+                                       skip=tuple(skip.split("+")) if skip else ()))
         try:
             outs = fn(x0, ws)
             errs = [float(jnp.max(jnp.abs(o - r)) / (jnp.max(jnp.abs(r)) + 1e-9)) for o, r in zip(outs, ref)]
@@ -391,6 +494,16 @@ def main(argv=None):
                     help="also time persistent_chain (each product's input read from the previous one's output, "
                          "waits only for its producers; 128 programs, tile_k 256) against the same chain in XLA")
     ap.add_argument("--chain-stages", type=positive_int, nargs="+", default=[5])
+    ap.add_argument("--chain-schedules", nargs="+", default=["k"], choices=sorted(CHAIN_SCHEDULES),
+                    help="k: every product k-block by k-block; alt: QKV and gate/up n-block by n-block, so that "
+                         "O and down start on their first complete input blocks (CHAIN_SCHEDULES)")
+    ap.add_argument("--chain-lag", type=positive_int, nargs="+", default=[2],
+                    help="n-blocks an 'n' product counts a finished n-block behind (persistent_chain's lag)")
+    ap.add_argument("--chain-ahead", type=positive_int, nargs="+", default=[1], choices=[1, 2],
+                    help="k-blocks a 'k' product loads its input ahead")
+    ap.add_argument("--chain-skip", nargs="*", default=[], choices=["waits", "inputs", "waits+inputs", "waits+stores",
+                                                                   "waits+inputs+stores"],
+                    help="also time each schedule without these parts (diagnostics: wrong results)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     bad = [b for b in args.barriers if b not in ("grid", "self", "none") and not re.fullmatch(r"near[1-9][0-9]*", b)]

@@ -67,10 +67,23 @@ def test_products_match_jnp(barrier):
 
 
 def test_chain_plan_gives_every_program_an_equal_rectangle():
-    plan = pg.chain_plan(2, 256, 128)
-    assert [(g, nbr, kbr) for g, nbr, kbr, _ in plan[:4]] == [(4, 3, 4), (4, 2, 4), (4, 14, 4), (8, 4, 7)]
-    offsets = [off for *_, off in plan]
-    assert offsets == [sum(n * k for _, n, k, _ in plan[:i]) for i in range(len(plan))]
+    for schedule, rects in (("k", [(4, 3, 4), (4, 2, 4), (4, 14, 4), (8, 4, 7)]),
+                            ("alt", [(16, 12, 1), (8, 4, 2), (8, 28, 2), (8, 4, 7)])):
+        plan = pg.chain_plan(2, 256, 128, schedule)
+        assert [(g, nbr, kbr) for g, nbr, kbr, *_ in plan[:4]] == rects
+        offsets = [off for *_, off, _ in plan]
+        assert offsets == [sum(n * k for _, n, k, *_ in plan[:i]) for i in range(len(plan))]
+        for p, (g, nbr, kbr, *_), (n, k) in zip(range(8), plan, pg.LAYER * 2):  # every tile once per product
+            tiles = {tuple(int(v) for v in pg._tile_at(plan, p, q, sm % g, sm // g, 256))
+                     for sm in range(128) for q in range(nbr * kbr)}
+            assert tiles == {(nb, kb) for nb in range(n // 64) for kb in range(k // 256)}
+
+
+def test_chain_alt_schedule_reads_first_the_block_its_producers_complete_first():
+    plan = pg.chain_plan(1, 256, 128, "alt")
+    for gi in range(8):  # O after QKV: QKV's row block r completes at level r % 3 of its producers' shares
+        order = [int(pg._k_block(plan, 1, j, gi, 256)) for j in range(2)]
+        assert sorted(order) == [2 * gi, 2 * gi + 1] and order[0] % 3 <= order[1] % 3
 
 
 def test_chain_refuses_other_dtypes():
@@ -83,6 +96,8 @@ def test_chain_refuses_other_dtypes():
 def test_chain_plan_refuses_shares_that_do_not_divide():
     with pytest.raises(ValueError, match="does not split"):
         pg.chain_plan(1, 256, 132)
+    with pytest.raises(ValueError, match="schedule must be"):
+        pg.chain_plan(1, 256, 128, "z")
 
 
 @pytest.mark.skipif(not gpu_mosaic.on_hopper(), reason="Pallas Mosaic GPU kernel: Hopper only")
@@ -90,6 +105,7 @@ def test_chain_matches_jnp():
     ws = [(jax.random.normal(jax.random.key(i), s) / np.sqrt(s[1])).astype(jnp.bfloat16)
           for i, s in enumerate(pg.LAYER)]
     x0 = jax.random.normal(jax.random.key(9), (4096, 8), jnp.float32)
-    outs, ref = pg.persistent_chain(x0, ws), pg.chain_reference(x0, ws)
-    for o, r in zip(outs, ref):
-        assert float(jnp.max(jnp.abs(o - r)) / jnp.max(jnp.abs(r))) < 1e-2
+    ref = pg.chain_reference(x0, ws)
+    for schedule in pg.CHAIN_SCHEDULES:
+        for o, r in zip(pg.persistent_chain(x0, ws, schedule=schedule), ref):
+            assert float(jnp.max(jnp.abs(o - r)) / jnp.max(jnp.abs(r))) < 1e-2
