@@ -172,6 +172,7 @@ CHAIN_SCHEDULES = {
     "alt": ((16, "n"), (8, "k"), (8, "n"), (8, "k")),
 }
 HALF = LAYER[3][1]  # gate rows, then up rows, in the gate/up product's output
+OUT_ROWS = 512  # shared-memory rows the sums leave through
 
 
 def _fence_async_global():
@@ -220,15 +221,15 @@ def _tile_at(plan, p, q, gi, ri, tile_k):
     return ri * nbr + i, _k_block(plan, p, j, gi, tile_k)
 
 
-def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, lag, ahead):
+def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, store_rows):
     """A chain of dependent products: QKV; O over QKV's first 4096 rows (in place of attention); gate/up;
     down over silu(gate) * up; the next layer's QKV over down's output. Each program adds its partial
     products into f32 outputs (TMA reduce-add) and counts each finished n-block on its row block's
     semaphore; a consumer waits for the row blocks its k-group reads, and nothing else.
-    `lag`: an "n" product counts an n-block once the stores of the `lag` after it are issued (waiting for
-    a store to land stalls the compute warpgroup); the sums leave through lag + 2 shared-memory slots.
-    `ahead`: a "k" product starts loading an input k-block this many k-blocks before it multiplies it
-    (and waits for its producers then).
+    `store_rows`: rows per store, ROWS (each n-block) or tile_k (each row block of n-blocks, where a
+    program's share holds whole row blocks). The sums leave through OUT_ROWS rows of shared memory, in
+    slots of `store_rows`; an "n" product counts a store once the stores of half the slots after it are
+    issued (waiting for one to land stalls the compute warpgroup).
     `skip` (timing diagnostics, whose results are wrong): "waits" for producers; "inputs", each k-block's
     load and conversion; "stores", the sums' stores and counts (with "waits" only)."""
     phases = 4 * layers
@@ -237,7 +238,8 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, la
     w_smem, x_smem, stage, o_smem, produced, consumed, in_bars = refs[2 * phases:]
     sm, wg = lax.axis_index("sm"), lax.axis_index("wg")
     per = tile_k // ROWS  # n-blocks per row block of a consumer's k-block
-    slots = lag + 2
+    slots = OUT_ROWS // store_rows
+    lag = slots // 2
     base = [0]
     for n, _ in shapes:
         base.append(base[-1] + n // tile_k)
@@ -271,7 +273,7 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, la
         for p, (n, _) in enumerate(shapes):
             @pl.loop(sm, n // ROWS, step=num_sms)
             def _(nb, p=p):
-                plgpu.copy_smem_to_gmem(o_smem.at[0], y_refs[p].at[pl.ds(nb * ROWS, ROWS)])
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, ROWS)], y_refs[p].at[pl.ds(nb * ROWS, ROWS)])
         plgpu.wait_smem_to_gmem(0)
         _fence_async_global()
         plgpu.semaphore_signal(sems.at[start], 1, memory_scope="gpu")
@@ -323,42 +325,43 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, la
                 plgpu.barrier_arrive(consumed.at[slot])
                 return out
 
-            def store(acc, i, nb, p=p):
-                """Add n-block nb's sums into the output, through slot i % slots."""
-                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                o_smem.at[i % slots][...] = acc
+            group = store_rows // ROWS if nbr % (store_rows // ROWS) == 0 else 1  # n-blocks per store
+
+            def store(accs, s, nb, p=p, group=group):
+                """Add the sums of n-blocks nb .. nb + len(accs) into the output, through slot s."""
+                row = lax.rem(s, OUT_ROWS // (group * ROWS)) * group * ROWS
+                plgpu.wait_smem_to_gmem(OUT_ROWS // (group * ROWS) - 1, wait_read_only=True)
+                for u, acc in enumerate(accs):
+                    o_smem.at[pl.ds(row + u * ROWS, ROWS)][...] = acc
                 if "stores" in skip:
                     return
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[i % slots], y_refs[p].at[pl.ds(nb * ROWS, ROWS)],
-                                        reduction_op="add")
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row, group * ROWS)],
+                                        y_refs[p].at[pl.ds(nb * ROWS, group * ROWS)], reduction_op="add")
 
-            def signal(nb, p=p):
+            def signal(nb, p=p, group=group):
+                """Count the group of n-blocks from nb on their row block's semaphore."""
                 if "stores" in skip:
                     return
-                plgpu.semaphore_signal(sems.at[base[p] + nb // per], 1, memory_scope="gpu")
+                plgpu.semaphore_signal(sems.at[base[p] + nb // per], group, memory_scope="gpu")
 
             if order == "k":
-                for j in range(min(ahead, kbr)):
-                    issue(j, j)
+                issue(0, 0)
 
                 def k_step(j, accs, kbr=kbr, nbr=nbr, off=off, issue=issue, operand=operand, tile=tile):
                     buf = lax.rem(j, 2)
-                    if ahead == 1:
-                        pl.when(j + 1 < kbr)(lambda: issue(j + 1, 1 - buf))
+                    pl.when(j + 1 < kbr)(lambda: issue(j + 1, 1 - buf))
                     operand(buf)
-                    if ahead == 2:  # stage[buf] is free again once read
-                        pl.when(j + 2 < kbr)(lambda: issue(j + 2, buf))
                     plgpu.commit_smem()
                     return tuple(tile(off + j * nbr + i, buf, accs[i]) for i in range(nbr))
 
                 accs = lax.fori_loop(0, kbr, k_step, tuple(zero() for _ in range(nbr)))
-                for i in range(nbr):
-                    store(accs[i], i, ri * nbr + i)
+                for s in range(nbr // group):
+                    store(accs[s * group:(s + 1) * group], s, ri * nbr + s * group)
                 plgpu.wait_smem_to_gmem(0)
                 _fence_async_global()
-                for i in range(nbr):
-                    signal(ri * nbr + i)
+                for s in range(nbr // group):
+                    signal(ri * nbr + s * group)
             else:
                 for j in range(kbr):
                     issue(j, j)
@@ -366,27 +369,30 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, la
                     operand(j)
                 plgpu.commit_smem()
 
-                @pl.loop(0, nbr)
-                def _(i, kbr=kbr, nbr=nbr, off=off, ri=ri, tile=tile, store=store, signal=signal):
-                    acc = zero()
-                    for j in range(kbr):
-                        acc = tile(off + i * kbr + j, j, acc)
-                    nb = ri * nbr + i
-                    store(acc, i, nb)
+                @pl.loop(0, nbr // group)
+                def _(s, kbr=kbr, nbr=nbr, off=off, ri=ri, tile=tile, store=store, signal=signal, group=group):
+                    accs = []
+                    for u in range(group):
+                        acc = zero()
+                        for j in range(kbr):
+                            acc = tile(off + (s * group + u) * kbr + j, j, acc)
+                        accs.append(acc)
+                    nb = ri * nbr + s * group
+                    store(accs, s, nb)
 
-                    @pl.when(i >= lag)
-                    def _():  # the sums of the n-block `lag` before have landed: count it
+                    @pl.when(s >= lag)
+                    def _():  # the sums of the store `lag` before have landed: count them
                         plgpu.wait_smem_to_gmem(lag)
                         _fence_async_global()
-                        signal(nb - lag)
+                        signal(nb - lag * group)
 
                 plgpu.wait_smem_to_gmem(0)
                 _fence_async_global()
-                for i in range(max(0, nbr - lag), nbr):
-                    signal(ri * nbr + i)
+                for s in range(max(0, nbr // group - lag), nbr // group):
+                    signal(ri * nbr + s * group)
 
 
-def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule="k", skip=(), lag=2, ahead=1):
+def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule="k", skip=(), store_rows=ROWS):
     """x0: [4096, 8] f32 (the first QKV's input, one column per sequence); weights: 4 x layers [N, K] bf16
     in LAYER's order. Returns every product's output [N, 8] f32."""
     layers = len(weights) // 4
@@ -397,19 +403,20 @@ def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule
                          f"{sorted({str(w.dtype) for w in weights})} and {x0.dtype}{list(x0.shape)}")
     plan = chain_plan(layers, tile_k, num_sms, schedule)
     skip = frozenset(skip)
-    if ahead not in (1, 2) or lag < 1:
-        raise ValueError(f"persistent_chain: ahead must be 1 or 2 and lag at least 1, got {ahead} and {lag}")
+    if store_rows not in (ROWS, tile_k) or OUT_ROWS % store_rows or OUT_ROWS // store_rows < 2:
+        raise ValueError(f"persistent_chain: store_rows must be {ROWS} or tile_k ({tile_k}, at most "
+                         f"{OUT_ROWS // 2}), got {store_rows}")
     if not skip <= {"waits", "inputs", "stores"} or ("stores" in skip and "waits" not in skip):
         raise ValueError(f"persistent_chain: skip must hold 'waits', 'inputs', 'stores' ('stores' only with "
                          f"'waits'), got {sorted(skip)}")
     out_type = [jax.ShapeDtypeStruct((n, COLS), jnp.float32) for n, _ in LAYER * layers]
     scratch = [_tiled((stages, ROWS, tile_k), jnp.bfloat16), _tiled((2, COLS, tile_k), jnp.bfloat16),
-               plgpu.SMEM((2, 2, tile_k, COLS), jnp.float32), plgpu.SMEM((lag + 2, ROWS, COLS), jnp.float32),
+               plgpu.SMEM((2, 2, tile_k, COLS), jnp.float32), plgpu.SMEM((OUT_ROWS, COLS), jnp.float32),
                plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                plgpu.Barrier(num_barriers=4)]
     return plgpu.kernel(
         functools.partial(_chain_kernel, layers=layers, tile_k=tile_k, stages=stages, num_sms=num_sms, plan=plan,
-                          skip=skip, lag=lag, ahead=ahead),
+                          skip=skip, store_rows=store_rows),
         out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",), num_threads=2,
         thread_name="wg")(x0, *weights)
 
@@ -459,12 +466,12 @@ def _time_chain(args, weights, key, report, results):
     ref_fn = jax.jit(chain_reference)
     ref = ref_fn(x0, ws)
     report("xla chain (8 sequences)", _time(ref_fn, x0, ws, reps=args.reps))
-    variants = itertools.product(args.chain_schedules, args.chain_stages, args.chain_lag, args.chain_ahead,
+    variants = itertools.product(args.chain_schedules, args.chain_stages, args.chain_store_rows,
                                  [""] + args.chain_skip)
-    for schedule, stages, lag, ahead, skip in variants:
-        name = (f"persistent chain {schedule} stages={stages} lag={lag} ahead={ahead}"
+    for schedule, stages, rows, skip in variants:
+        name = (f"persistent chain {schedule} stages={stages} store_rows={rows}"
                 + (f" skip {skip} (wrong results)" if skip else ""))
-        fn = jax.jit(functools.partial(persistent_chain, stages=stages, schedule=schedule, lag=lag, ahead=ahead,
+        fn = jax.jit(functools.partial(persistent_chain, stages=stages, schedule=schedule, store_rows=rows,
                                        skip=tuple(skip.split("+")) if skip else ()))
         try:
             outs = fn(x0, ws)
@@ -497,10 +504,8 @@ def main(argv=None):
     ap.add_argument("--chain-schedules", nargs="+", default=["k"], choices=sorted(CHAIN_SCHEDULES),
                     help="k: every product k-block by k-block; alt: QKV and gate/up n-block by n-block, so that "
                          "O and down start on their first complete input blocks (CHAIN_SCHEDULES)")
-    ap.add_argument("--chain-lag", type=positive_int, nargs="+", default=[2],
-                    help="n-blocks an 'n' product counts a finished n-block behind (persistent_chain's lag)")
-    ap.add_argument("--chain-ahead", type=positive_int, nargs="+", default=[1], choices=[1, 2],
-                    help="k-blocks a 'k' product loads its input ahead")
+    ap.add_argument("--chain-store-rows", type=positive_int, nargs="+", default=[ROWS], choices=[ROWS, 256],
+                    help="rows per store of the sums: each n-block, or each row block of a consumer's k-block")
     ap.add_argument("--chain-skip", nargs="*", default=[], choices=["waits", "inputs", "waits+inputs", "waits+stores",
                                                                    "waits+inputs+stores"],
                     help="also time each schedule without these parts (diagnostics: wrong results)")

@@ -3,6 +3,7 @@ its products against jnp under every kind of wait, and the dependent chain again
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -93,6 +94,15 @@ def test_chain_refuses_other_dtypes():
         jax.eval_shape(pg.persistent_chain, x0, ws)
 
 
+def test_chain_refuses_other_store_rows_and_skips():
+    ws = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in pg.LAYER]
+    x0 = jax.ShapeDtypeStruct((4096, 8), jnp.float32)
+    with pytest.raises(ValueError, match="store_rows must be"):
+        jax.eval_shape(functools.partial(pg.persistent_chain, store_rows=128), x0, ws)
+    with pytest.raises(ValueError, match="skip must hold"):
+        jax.eval_shape(functools.partial(pg.persistent_chain, skip=("stores",)), x0, ws)
+
+
 def test_chain_plan_refuses_shares_that_do_not_divide():
     with pytest.raises(ValueError, match="does not split"):
         pg.chain_plan(1, 256, 132)
@@ -106,6 +116,6 @@ def test_chain_matches_jnp():
           for i, s in enumerate(pg.LAYER)]
     x0 = jax.random.normal(jax.random.key(9), (4096, 8), jnp.float32)
     ref = pg.chain_reference(x0, ws)
-    for schedule in pg.CHAIN_SCHEDULES:
-        for o, r in zip(pg.persistent_chain(x0, ws, schedule=schedule), ref):
+    for schedule, rows in [(s, 64) for s in pg.CHAIN_SCHEDULES] + [("alt", 256)]:
+        for o, r in zip(pg.persistent_chain(x0, ws, schedule=schedule, store_rows=rows), ref):
             assert float(jnp.max(jnp.abs(o - r)) / jnp.max(jnp.abs(r))) < 1e-2
