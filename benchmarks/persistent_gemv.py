@@ -19,7 +19,14 @@ this is an upper bound for a real layer kernel: it leaves out reading the previo
 the norms, attention and the partial sums' reduction. Against it the same products as XLA's chain
 (each product's output feeding the next) and a plain device copy of the same bytes, in the same run.
 
+`--chain` times the real data flow (`persistent_chain`): each product reads the previous one's
+output, summed across programs in L2, and waits only for the programs that produce the blocks it
+reads. A dense chain can overlap only boundaries where the producer emits its output blocks in turn
+and the consumer reads them in that order (CHAIN_SCHEDULES "alt"); `--chain-skip` prices its parts.
+
   python benchmarks/persistent_gemv.py --layers 4 --tile-k 512 --stages 3 --barriers grid self none
+  python benchmarks/persistent_gemv.py --layers 4 --tile-k 256 --stages 6 --barriers none --num-sms 128 \
+      --chain --chain-schedules k alt --chain-store-rows 64 256 --chain-skip waits inputs waits+stores
 """
 
 from __future__ import annotations
@@ -181,7 +188,7 @@ def _fence_async_global():
     inline_ptx("fence.proxy.async.global;")
 
 
-def chain_plan(layers, tile_k, num_sms, schedule="k"):
+def chain_plan(layers, tile_k, num_sms, schedule="alt"):
     """Per product: (groups, n-blocks per program, k-blocks per program, the program's first ring slot,
     order)."""
     if schedule not in CHAIN_SCHEDULES:
@@ -392,9 +399,10 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
                     signal(ri * nbr + s * group)
 
 
-def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule="k", skip=(), store_rows=ROWS):
+def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule="alt", skip=(), store_rows=None):
     """x0: [4096, 8] f32 (the first QKV's input, one column per sequence); weights: 4 x layers [N, K] bf16
-    in LAYER's order. Returns every product's output [N, 8] f32."""
+    in LAYER's order. Returns every product's output [N, 8] f32. `store_rows` None: tile_k."""
+    store_rows = store_rows or tile_k
     layers = len(weights) // 4
     if len(weights) != 4 * layers or tuple(w.shape for w in weights) != LAYER * layers:
         raise ValueError(f"persistent_chain: weights must be {layers} layers of {LAYER}")
@@ -501,10 +509,10 @@ def main(argv=None):
                     help="also time persistent_chain (each product's input read from the previous one's output, "
                          "waits only for its producers; 128 programs, tile_k 256) against the same chain in XLA")
     ap.add_argument("--chain-stages", type=positive_int, nargs="+", default=[5])
-    ap.add_argument("--chain-schedules", nargs="+", default=["k"], choices=sorted(CHAIN_SCHEDULES),
+    ap.add_argument("--chain-schedules", nargs="+", default=["alt"], choices=sorted(CHAIN_SCHEDULES),
                     help="k: every product k-block by k-block; alt: QKV and gate/up n-block by n-block, so that "
                          "O and down start on their first complete input blocks (CHAIN_SCHEDULES)")
-    ap.add_argument("--chain-store-rows", type=positive_int, nargs="+", default=[ROWS], choices=[ROWS, 256],
+    ap.add_argument("--chain-store-rows", type=positive_int, nargs="+", default=[256], choices=[ROWS, 256],
                     help="rows per store of the sums: each n-block, or each row block of a consumer's k-block")
     ap.add_argument("--chain-skip", nargs="*", default=[], choices=["waits", "inputs", "waits+inputs", "waits+stores",
                                                                    "waits+inputs+stores"],
