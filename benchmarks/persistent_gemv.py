@@ -180,6 +180,7 @@ CHAIN_SCHEDULES = {
 }
 HALF = LAYER[3][1]  # gate rows, then up rows, in the gate/up product's output
 OUT_ROWS = 512  # shared-memory rows the sums leave through
+SKIPPABLE = ("waits", "inputs", "convert", "stores", "reduce")  # persistent_chain's timing diagnostics
 
 
 def _fence_async_global():
@@ -238,7 +239,8 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
     slots of `store_rows`; an "n" product counts a store once the stores of half the slots after it are
     issued (waiting for one to land stalls the compute warpgroup).
     `skip` (timing diagnostics, whose results are wrong): "waits" for producers; "inputs", each k-block's
-    load and conversion; "stores", the sums' stores and counts (with "waits" only)."""
+    load and conversion; "convert", only the conversion (the load still lands); "stores", the sums'
+    stores and counts (with "waits" only); "reduce", the reduction of the stores (they overwrite)."""
     phases = 4 * layers
     shapes = LAYER * layers
     w_refs, y_refs = refs[:phases], refs[phases:2 * phases]
@@ -315,9 +317,12 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
                 if "inputs" in skip:
                     return
                 plgpu.barrier_wait(in_bars.at[2 * buf])
-                v = plgpu.load(stage.at[buf, 0], layout=plgpu.Layout.WGMMA)
                 if kind == 3:
                     plgpu.barrier_wait(in_bars.at[2 * buf + 1])
+                if "convert" in skip:
+                    return
+                v = plgpu.load(stage.at[buf, 0], layout=plgpu.Layout.WGMMA)
+                if kind == 3:
                     u = plgpu.load(stage.at[buf, 1], layout=plgpu.Layout.WGMMA)
                     v = v / (1.0 + jnp.exp(-v)) * u
                 x_smem.at[buf].transpose((1, 0))[...] = v.astype(x_smem.dtype)
@@ -344,7 +349,8 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
                     return
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row, group * ROWS)],
-                                        y_refs[p].at[pl.ds(nb * ROWS, group * ROWS)], reduction_op="add")
+                                        y_refs[p].at[pl.ds(nb * ROWS, group * ROWS)],
+                                        reduction_op=None if "reduce" in skip else "add")
 
             def signal(nb, p=p, group=group):
                 """Count the group of n-blocks from nb on their row block's semaphore."""
@@ -414,9 +420,9 @@ def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule
     if store_rows not in (ROWS, tile_k) or OUT_ROWS % store_rows or OUT_ROWS // store_rows < 2:
         raise ValueError(f"persistent_chain: store_rows must be {ROWS} or tile_k ({tile_k}, at most "
                          f"{OUT_ROWS // 2}), got {store_rows}")
-    if not skip <= {"waits", "inputs", "stores"} or ("stores" in skip and "waits" not in skip):
-        raise ValueError(f"persistent_chain: skip must hold 'waits', 'inputs', 'stores' ('stores' only with "
-                         f"'waits'), got {sorted(skip)}")
+    if not skip <= set(SKIPPABLE) or ("stores" in skip and "waits" not in skip):
+        raise ValueError(f"persistent_chain: skip must hold some of {SKIPPABLE} ('stores' only with 'waits'), "
+                         f"got {sorted(skip)}")
     out_type = [jax.ShapeDtypeStruct((n, COLS), jnp.float32) for n, _ in LAYER * layers]
     scratch = [_tiled((stages, ROWS, tile_k), jnp.bfloat16), _tiled((2, COLS, tile_k), jnp.bfloat16),
                plgpu.SMEM((2, 2, tile_k, COLS), jnp.float32), plgpu.SMEM((OUT_ROWS, COLS), jnp.float32),
@@ -493,6 +499,13 @@ def _time_chain(args, weights, key, report, results):
         print(f"{'':40s} relative error per product: max {max(errs):.2e}, last {errs[-1]:.2e}", flush=True)
 
 
+def _skip_parts(text):
+    parts = text.split("+")
+    if not set(parts) <= set(SKIPPABLE) or ("stores" in parts and "waits" not in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: '+'-joined parts of {SKIPPABLE} ('stores' only with 'waits')")
+    return text
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=positive_int, default=4)
@@ -514,9 +527,9 @@ def main(argv=None):
                          "O and down start on their first complete input blocks (CHAIN_SCHEDULES)")
     ap.add_argument("--chain-store-rows", type=positive_int, nargs="+", default=[256], choices=[ROWS, 256],
                     help="rows per store of the sums: each n-block, or each row block of a consumer's k-block")
-    ap.add_argument("--chain-skip", nargs="*", default=[], choices=["waits", "inputs", "waits+inputs", "waits+stores",
-                                                                   "waits+inputs+stores"],
-                    help="also time each schedule without these parts (diagnostics: wrong results)")
+    ap.add_argument("--chain-skip", nargs="*", default=[], type=_skip_parts,
+                    help=f"also time each schedule without these parts, each a '+'-joined set of {SKIPPABLE} "
+                         "(diagnostics: wrong results)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     bad = [b for b in args.barriers if b not in ("grid", "self", "none") and not re.fullmatch(r"near[1-9][0-9]*", b)]

@@ -41,7 +41,9 @@ def test_bad_arguments_are_value_errors(kwargs, message):
 
 
 @pytest.mark.parametrize("argv,message", [(["--layers", "0"], "--layers"), (["--stages", "-1"], "--stages"),
-                                          (["--barriers", "near0"], "--barriers")])
+                                          (["--barriers", "near0"], "--barriers"),
+                                          (["--chain-skip", "stores"], "--chain-skip"),
+                                          (["--chain-skip", "waits+nothing"], "--chain-skip")])
 def test_bad_flags_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         pg.main(argv)
