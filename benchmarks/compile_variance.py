@@ -82,7 +82,7 @@ def child(args) -> None:
     runner.allocate_kv_cache()
     ints, floats, _ = pack(dataclasses.replace(runner.dummy_input(*target), sampling=None))
     kv = runner.kv_caches
-    outputs = runner._output_buffers(target)  # the logits and hidden buffers each call writes over (donated)
+    outputs = runner.output_buffers(target)  # the logits and hidden buffers each call writes over (donated)
 
     def call(kv):
         nonlocal outputs

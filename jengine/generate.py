@@ -31,6 +31,11 @@ def _bucket(n: int) -> int:
     return max(PAGE_SIZE, 1 << (n - 1).bit_length())
 
 
+def _pages(n: int) -> int:
+    """The scratch cache's pages for n tokens (their padded length)."""
+    return _bucket(n) // PAGE_SIZE
+
+
 def _sequence_input(token_ids, start: int, num_pages: int) -> ModelInput:
     """The engine's input builder for one sequence at positions start.. owning pages 0..num_pages-1,
     padded to a power-of-two token count (padding tokens write nowhere)."""
@@ -75,14 +80,14 @@ def hidden_states(cfg: ModelConfig, params: dict, token_ids, mesh=None, programs
 def hidden_states_program(cfg: ModelConfig, params: dict, length: int, mesh=None) -> tuple[tuple, Callable]:
     """The `hidden_states` program of one padded length, to compile ahead of time: its arguments (the
     scratch cache as shapes only), and a function that traces it over them."""
-    num_pages = _bucket(length) // PAGE_SIZE
+    num_pages = _pages(length)
     caches = specs(cfg, num_pages, PAGE_SIZE, cfg.dtype, None if mesh is None else kv_cache_sharding(mesh))
     args = (params, caches, _sequence_input([0] * length, 0, num_pages))
     return args, lambda: _hidden.trace(*args, cfg=cfg, mesh=mesh)
 
 
 def _hidden_args(cfg: ModelConfig, params: dict, ids: list[int], mesh) -> tuple:
-    num_pages = _bucket(len(ids)) // PAGE_SIZE
+    num_pages = _pages(len(ids))
     return params, _caches(cfg, num_pages, mesh), _sequence_input(ids, 0, num_pages)
 
 
@@ -99,7 +104,7 @@ def _check_ids(cfg: ModelConfig, token_ids) -> list[int]:
 def prompt_logits(cfg: ModelConfig, params: dict, token_ids, kv_dtype=None) -> np.ndarray:
     """f32 logits `[len, V]` of every position of one prompt (`kv_dtype`: the cache's, default the model's)."""
     ids = _check_ids(cfg, token_ids)
-    num_pages = _bucket(len(ids)) // PAGE_SIZE
+    num_pages = _pages(len(ids))
     _, logits = _step(params, _caches(cfg, num_pages, kv_dtype=kv_dtype), _sequence_input(ids, 0, num_pages),
                       cfg=cfg, all_logits=True)
     return np.asarray(logits)[: len(ids)]
@@ -112,7 +117,7 @@ def greedy_generate(cfg: ModelConfig, params: dict, token_ids, max_new_tokens: i
     ids = _check_ids(cfg, token_ids)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    num_pages = _bucket(len(ids) + max_new_tokens) // PAGE_SIZE
+    num_pages = _pages(len(ids) + max_new_tokens)
     caches = _caches(cfg, num_pages, kv_dtype=kv_dtype)
     caches, logits = _step(params, caches, _sequence_input(ids, 0, num_pages), cfg=cfg, all_logits=False)
     out = []

@@ -173,15 +173,15 @@ class ModelRunner:
         # The ids the last step sampled, `[max_seqs]`: the next forward reads them, the next sampling
         # program writes its own over them (donated).
         self.prev_ids = self._put(np.zeros(self.max_seqs, np.int32))
-        self._logits: dict[int, jax.Array] = {}  # S -> the buffer the forward writes its logits over
-        self._hidden: dict[int, jax.Array] = {}  # T -> the same for its hidden states
+        self.logits_buffers: dict[int, jax.Array] = {}  # S -> the buffer the forward writes its logits over
+        self.hidden_buffers: dict[int, jax.Array] = {}  # T -> the same for its hidden states
         # Whether programs run as CUDA graphs (GPUs). Only then are decode buckets' forwards twinned
         # (elsewhere a program has no graph, and on the CPU a copy of one JAX loaded from its cache would
         # not run), and does warm-up run every program once (a first run records the graphs, tens of ms of
         # host time, `ProgramBuilder._run_every_program`; on the CPU running the largest buckets costs
         # more than it saves).
         self.graphs = stores_loaded_executables()
-        self._twins: dict[tuple, jax.stages.Compiled] = {}  # layout -> the forward's second copy
+        self.twins: dict[tuple, jax.stages.Compiled] = {}  # layout -> the forward's second copy
         self._runs: collections.Counter = collections.Counter()  # layout -> steps so far
         self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1, 5, 6),
                                 keep_unused=True, static_argnames=("layout",), **fwd)  # kept: the output buffers
@@ -190,11 +190,11 @@ class ModelRunner:
         # earlier engine compiles to that engine's executable without a compile, which on the CPU can
         # be one JAX loaded from its persistent cache, and ExecutableCache would store it without its
         # kernels (see `stores_loaded_executables`).
-        self._sample = jax.jit(functools.partial(_sample), donate_argnums=(3,),
-                               static_argnames=("layout", "filter_k", "filter_p", "random", "top_logprobs", "small_k"),
-                               **smp)
-        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
-        self._compiled: dict[tuple, jax.stages.Compiled] = {}  # filled at warm-up (`ProgramBuilder`), in parallel
+        self.sample_jit = jax.jit(functools.partial(_sample), donate_argnums=(3,),
+                                  static_argnames=("layout", "filter_k", "filter_p", "random", "top_logprobs",
+                                                   "small_k"), **smp)
+        self.prompt_logprobs_jit = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
+        self.compiled: dict[tuple, jax.stages.Compiled] = {}  # filled at warm-up (`ProgramBuilder`), in parallel
 
     def allocate_kv_cache(self) -> None:
         if self.kv_caches is None:
@@ -213,7 +213,7 @@ class ModelRunner:
         hidden = jax.ShapeDtypeStruct((bucket[0], self.cfg.hidden_size), self.cfg.dtype, sharding=self._replicated)
         return logits, hidden
 
-    def _forward_args(self, bucket: tuple[int, int]) -> tuple[tuple, tuple]:
+    def forward_args(self, bucket: tuple[int, int]) -> tuple[tuple, tuple]:
         """A (T, S) bucket's forward: its static layout, and its arguments (the cache's shapes before it
         is allocated)."""
         caches = self.kv_caches if self.kv_caches is not None else kv_cache.specs(
@@ -224,7 +224,7 @@ class ModelRunner:
     def trace_forward(self, bucket: tuple[int, int]) -> tuple[tuple, jax.stages.Traced]:
         """The forward program of a (T, S) bucket, traced: its key in the compiled programs, and the
         traced program."""
-        layout, args = self._forward_args(bucket)
+        layout, args = self.forward_args(bucket)
         traced = self._forward.trace(*args, layout=layout)
         _, logits, hidden = traced.out_info
         if (logits.shape, logits.dtype, hidden.shape, hidden.dtype) != tuple(
@@ -247,44 +247,44 @@ class ModelRunner:
             prompt_logprobs = bool(np.any(inp.prompt_targets >= 0))
         bucket = (inp.model.token_ids.shape[0], inp.logits_indices.shape[0])
         ints, floats, layout = pack(dataclasses.replace(inp, sampling=None))
-        forward = self._program("forward", layout)
-        twin = self._twins.get(layout)
+        forward = self.program("forward", layout)
+        twin = self.twins.get(layout)
         self._runs[layout] += 1
         if twin is not None and self._runs[layout] % 2:
             forward = twin
         self.kv_caches, logits, hidden = forward(self.params, self.kv_caches, ints, floats, self.prev_ids,
-                                                 *self._output_buffers(bucket))
-        self._logits[bucket[1]], self._hidden[bucket[0]] = logits, hidden
+                                                 *self.output_buffers(bucket))
+        self.logits_buffers[bucket[1]], self.hidden_buffers[bucket[0]] = logits, hidden
         s_ints, s_floats, s_layout = pack(program_inputs(sampling, switches))
-        self.prev_ids, out = self._program("sample", s_layout, *switches)(logits, s_ints, s_floats, self.prev_ids)
+        self.prev_ids, out = self.program("sample", s_layout, *switches)(logits, s_ints, s_floats, self.prev_ids)
         plp = None
         if prompt_logprobs:
-            plp = self._program("prompt_logprobs", inp.prompt_targets.shape[0])(self.params, hidden,
-                                                                                inp.prompt_targets)
+            plp = self.program("prompt_logprobs", inp.prompt_targets.shape[0])(self.params, hidden,
+                                                                               inp.prompt_targets)
         return out, plp
 
-    def _output_buffers(self, bucket: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+    def output_buffers(self, bucket: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
         """The buffers a (T, S) bucket's forward writes its logits and hidden states over, made on first
         use (warm-up makes every bucket's) or after a failed step consumed them."""
-        logits, hidden = self._logits.get(bucket[1]), self._hidden.get(bucket[0])
+        logits, hidden = self.logits_buffers.get(bucket[1]), self.hidden_buffers.get(bucket[0])
         if logits is None or hidden is None or logits.is_deleted() or hidden.is_deleted():  # not per step
             logits, hidden = self._put(tuple(np.zeros(spec.shape, spec.dtype) for spec in self._output_specs(bucket)))
-            self._logits[bucket[1]], self._hidden[bucket[0]] = logits, hidden
+            self.logits_buffers[bucket[1]], self.hidden_buffers[bucket[0]] = logits, hidden
         return logits, hidden
 
-    def _program(self, kind: str, *key):
+    def program(self, kind: str, *key):
         """The executable compiled at warm-up for this program and static key, else its jit (which
         compiles on first use: only for shapes warm-up did not cover, e.g. in tests)."""
-        compiled = self._compiled.get((kind, *key))
+        compiled = self.compiled.get((kind, *key))
         if compiled is not None:
             return compiled
         if kind == "forward":
             return functools.partial(self._forward, layout=key[0])
         if kind == "sample":
             layout, filter_k, filter_p, random, top, small_k = key
-            return functools.partial(self._sample, layout=layout, filter_k=filter_k, filter_p=filter_p, random=random,
-                                     top_logprobs=top, small_k=small_k)
-        return self._prompt_logprobs
+            return functools.partial(self.sample_jit, layout=layout, filter_k=filter_k, filter_p=filter_p,
+                                     random=random, top_logprobs=top, small_k=small_k)
+        return self.prompt_logprobs_jit
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
         """A padding-only StepInput of the given bucket (writes nothing, reads nothing)."""

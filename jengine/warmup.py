@@ -122,7 +122,7 @@ class ProgramBuilder:
         kind, what = job
         runner = self.runner
         if kind == "forward":
-            return self._forward_build(what, *runner._forward_args(what))
+            return self._forward_build(what, *runner.forward_args(what))
         args, trace = hidden_states_program(runner.cfg, runner.params, what, runner.mesh)
         return (kind, what), self._key("hidden_states", args), trace, None
 
@@ -157,7 +157,7 @@ class ProgramBuilder:
         started = time.perf_counter()
         forwards, logits_of, hidden_of, twinned = [], {}, {}, set()
         for bucket in buckets:
-            layout, args = runner._forward_args(bucket)
+            layout, args = runner.forward_args(bucket)
             if self._twinned(bucket):
                 twinned.add(("forward", layout))
             logits_of.setdefault(bucket[1], args[-2])
@@ -170,7 +170,7 @@ class ProgramBuilder:
                 for variant in SAMPLER_VARIANTS:
                     s_ints, s_floats, s_layout = self._dummy_sampling(s, variant)
                     args = (logits, s_ints, s_floats, runner.prev_ids)
-                    trace = functools.partial(runner._sample.trace, *args, layout=s_layout, filter_k=variant[0],
+                    trace = functools.partial(runner.sample_jit.trace, *args, layout=s_layout, filter_k=variant[0],
                                               filter_p=variant[1], random=variant[2], top_logprobs=variant[3],
                                               small_k=variant[4])
                     yield ("sample", s_layout, *variant), self._key("sample", args, (s_layout, *variant)), trace, None
@@ -178,7 +178,7 @@ class ProgramBuilder:
         def prompt_logprobs():
             for t, hidden in hidden_of.items():
                 args = (runner.params, hidden, np.zeros(t, np.int32))
-                trace = functools.partial(runner._prompt_logprobs.trace, *args)
+                trace = functools.partial(runner.prompt_logprobs_jit.trace, *args)
                 yield ("prompt_logprobs", t), self._key("prompt_logprobs", args), trace, None
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -195,19 +195,19 @@ class ProgramBuilder:
                 builds += self._start_builds(later, pool, twinned)
             twins = {}
             for name, compiled, twin in self._finish_builds(builds, pool):
-                runner._compiled[name] = compiled
+                runner.compiled[name] = compiled
                 if twin is not None:
                     twins[name[1]] = twin
                 if name[0] == "forward":
                     bar.update()
-            runner._twins.update((layout, job.result()) for layout, job in twins.items())
+            runner.twins.update((layout, job.result()) for layout, job in twins.items())
         bar.close()
         if cache is not None:
             logger.info("executable cache: %d of %d programs loaded from %s", self.executable_cache_hits,
-                        len(runner._compiled), cache.directory)
+                        len(runner.compiled), cache.directory)
         runner.allocate_kv_cache()
         for bucket in buckets:  # every bucket's output buffers, before the first step
-            runner._output_buffers(bucket)
+            runner.output_buffers(bucket)
         self._run_every_program(buckets if runner.graphs else buckets[:1])
         runner.copy_pages([(0, 0)])
         if runner.host_pool.pages is not None:
@@ -243,8 +243,8 @@ class ProgramBuilder:
         for num_seqs in sorted({s for _, s in buckets}):
             for variant in SAMPLER_VARIANTS:
                 s_ints, s_floats, s_layout = self._dummy_sampling(num_seqs, variant)
-                runner.prev_ids, _ = runner._program("sample", s_layout, *variant)(
-                    runner._logits[num_seqs], s_ints, s_floats, runner.prev_ids)
+                runner.prev_ids, _ = runner.program("sample", s_layout, *variant)(
+                    runner.logits_buffers[num_seqs], s_ints, s_floats, runner.prev_ids)
         jax.block_until_ready(runner.prev_ids)
         self.warmup_first_runs_seconds = time.perf_counter() - started
 

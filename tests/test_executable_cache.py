@@ -47,9 +47,9 @@ llm = LLM("jengine/tiny-llama", max_model_len=64, max_num_seqs=2, max_num_batche
           seq_buckets=(2,), compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
 out = llm.generate(["The cache"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
 runner = llm.engine.runner
-print(json.dumps({"hits": llm.engine.builder.executable_cache_hits, "programs": len(runner._compiled),
+print(json.dumps({"hits": llm.engine.builder.executable_cache_hits, "programs": len(runner.compiled),
                   "lowerings": len(lowerings), "traces": len(traces), "tokens": out[0].outputs[0].token_ids,
-                  "twins": len(runner._twins), "reloads": len(reloads)}))
+                  "twins": len(runner.twins), "reloads": len(reloads)}))
 """
 
 

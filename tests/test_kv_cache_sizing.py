@@ -106,7 +106,7 @@ def test_warmup_compiles_against_the_cache_shapes_before_allocating_it(monkeypat
 
     def allocate(self):
         if self.kv_caches is None:
-            compiled_at_allocation.append(len(self._compiled))
+            compiled_at_allocation.append(len(self.compiled))
         real_allocate(self)
 
     monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocate)
@@ -114,7 +114,7 @@ def test_warmup_compiles_against_the_cache_shapes_before_allocating_it(monkeypat
                                     max_num_batched_tokens=32, token_buckets=(16, 32), seq_buckets=(4,),
                                     compilation_cache_dir=None), progress=False)
     # allocated once, after every forward, sampling and prompt-logprobs program was compiled
-    assert compiled_at_allocation == [len(engine.runner._compiled)] and compiled_at_allocation[0] > 2
+    assert compiled_at_allocation == [len(engine.runner.compiled)] and compiled_at_allocation[0] > 2
     runner = engine.runner
     spec = kv_cache.specs(runner.cfg, runner.num_pages, runner.ecfg.block_size, runner.kv_dtype)[0]
     assert [c.shape for c in engine.runner.kv_caches] == [spec.shape] * engine.model_config.num_hidden_layers

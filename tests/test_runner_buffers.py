@@ -23,8 +23,8 @@ def llm():
 
 def _addresses(runner) -> dict:
     buffers = {"prev_ids": runner.prev_ids}
-    buffers.update({("logits", s): x for s, x in runner._logits.items()})
-    buffers.update({("hidden", t): x for t, x in runner._hidden.items()})
+    buffers.update({("logits", s): x for s, x in runner.logits_buffers.items()})
+    buffers.update({("hidden", t): x for t, x in runner.hidden_buffers.items()})
     assert not any(x.is_deleted() for x in buffers.values())
     return {name: x.unsafe_buffer_pointer() for name, x in buffers.items()}
 
@@ -32,7 +32,8 @@ def _addresses(runner) -> dict:
 def test_warmup_makes_every_buckets_buffers(llm):
     runner = llm.engine.runner
     buckets = runner.buckets()
-    assert set(runner._logits) == {s for _, s in buckets} and set(runner._hidden) == {t for t, _ in buckets}
+    assert set(runner.logits_buffers) == {s for _, s in buckets}
+    assert set(runner.hidden_buffers) == {t for t, _ in buckets}
 
 
 def test_warmup_runs_every_program_it_made(llm, monkeypatch):
@@ -40,11 +41,11 @@ def test_warmup_runs_every_program_it_made(llm, monkeypatch):
     warm-up runs every forward, sampler variant and prompt-logprobs program once."""
     runner = llm.engine.runner
     ran = []
-    real = type(runner)._program
-    monkeypatch.setattr(type(runner), "_program", lambda self, kind, *key: ran.append((kind, *key)) or real(
+    real = type(runner).program
+    monkeypatch.setattr(type(runner), "program", lambda self, kind, *key: ran.append((kind, *key)) or real(
         self, kind, *key))
     llm.engine.builder._run_every_program(runner.buckets())
-    assert set(ran) == set(runner._compiled)
+    assert set(ran) == set(runner.compiled)
     assert {k[0] for k in ran} == {"forward", "sample", "prompt_logprobs"}
 
 
@@ -74,13 +75,13 @@ from jengine import LLM, SamplingParams
 llm = LLM("jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(4, 16),
           seq_buckets=(2, 4), num_gpu_blocks_override=64, compilation_cache_dir=None, use_tqdm_on_load=False)
 runner = llm.engine.runner
-forwards = {key[1]: c for key, c in runner._compiled.items() if key[0] == "forward"}
+forwards = {key[1]: c for key, c in runner.compiled.items() if key[0] == "forward"}
 decode = {runner.trace_forward(b)[0][1] for b in runner.buckets() if b[0] <= runner.max_seqs}  # (4, S) buckets
 runs = dict(runner._runs)
 warm = all(runs.get(k) == 2 for k in decode) and all(runs.get(k) == 1 for k in set(forwards) - decode)
 outs = llm.generate(%r, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-print(json.dumps({"twins": runner.graphs and set(runner._twins) == decode and len(forwards) > len(decode),
-                  "distinct": all(runner._twins[k] is not forwards[k] for k in decode),
+print(json.dumps({"twins": runner.graphs and set(runner.twins) == decode and len(forwards) > len(decode),
+                  "distinct": all(runner.twins[k] is not forwards[k] for k in decode),
                   "warm": warm,
                   "most_runs": max(runner._runs[k] - runs.get(k, 0) for k in runner._runs),
                   "tokens": [o.outputs[0].token_ids for o in outs]}))

@@ -126,7 +126,7 @@ def _logits_shape(runner) -> list[int]:
 
     ints, floats, layout = pack(dataclasses.replace(runner.dummy_input(8, 4), sampling=None))
     runner.kv_caches, logits, _ = runner._forward(runner.params, runner.kv_caches, ints, floats, runner.prev_ids,
-                                                  *runner._output_buffers((8, 4)), layout=layout)
+                                                  *runner.output_buffers((8, 4)), layout=layout)
     return list(logits.shape)
 
 
