@@ -122,6 +122,7 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
         base.append(base[-1] + n // tile_k)
     sems = pl.get_global(plgpu.SemaphoreType.REGULAR((base[-1] + 1,)))
     start = base[-1]
+
     def weight_tile(p, q):
         g = plan[p][0]
         nb, kb = _tile_at(plan, p, q, lax.rem(sm, g), sm // g, tile_k)
