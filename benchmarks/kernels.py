@@ -239,17 +239,23 @@ def transposed_config(cfg, args, page_size):
     return cfg if isinstance(cfg, gpu_mosaic.MosaicConfig) and cfg.transposed else None
 
 
-def profile_regions(fn, args, cfg, directory):
-    """Run `fn` once with `cfg` (a transposed Mosaic config) writing its in-kernel trace to `directory`,
-    and return `region_summary` of it."""
+def trace_regions(run, directory):
+    """Call `run(directory)`, one run of a kernel whose Mosaic GPU on-device profiler writes its trace to
+    `directory`, and return `region_summary` of that trace."""
     os.makedirs(directory, exist_ok=True)
     before = set(glob.glob(os.path.join(directory, "*-trace.json")))
-    jax.block_until_ready(jax.jit(functools.partial(fn, config=dataclasses.replace(cfg, profile_dir=directory)))(*args))
+    jax.block_until_ready(run(directory))
     jax.effects_barrier()  # the trace is written by a host callback
     new = sorted(set(glob.glob(os.path.join(directory, "*-trace.json"))) - before, key=os.path.getmtime)
     if not new:
-        raise RuntimeError(f"--region-profile: no trace appeared in {directory}")
+        raise RuntimeError(f"no on-device profiler trace appeared in {directory}")
     return region_summary(new[-1])
+
+
+def profile_regions(fn, args, cfg, directory):
+    """`trace_regions` of `fn` run once with `cfg` (a transposed Mosaic config)."""
+    return trace_regions(
+        lambda d: jax.jit(functools.partial(fn, config=dataclasses.replace(cfg, profile_dir=d)))(*args), directory)
 
 
 def print_regions(summary):

@@ -31,6 +31,7 @@ from common import positive_int
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from kernels import print_regions, trace_regions
 from persistent_gemv import COLS, LAYER, ROWS, persistent_gemv, setup, tiled_smem, time_kernels, xla_chain
 
 from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic
@@ -49,6 +50,7 @@ CHAIN_SCHEDULES = {
 HALF = LAYER[3][1]  # gate rows, then up rows, in the gate/up product's output
 OUT_ROWS = 512  # shared-memory rows the sums leave through
 SKIPPABLE = ("waits", "inputs", "convert", "stores", "reduce")  # persistent_chain's timing diagnostics
+PROFILED_RANGES = 250  # regions per warpgroup the profiler has room for in shared memory (one layer's)
 
 
 def _fence_async_global():
@@ -97,7 +99,7 @@ def _tile_at(plan, p, q, gi, ri, tile_k):
     return ri * nbr + i, _k_block(plan, p, j, gi, tile_k)
 
 
-def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, store_rows):
+def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, store_rows, mma):
     """A chain of dependent products: QKV; O over QKV's first 4096 rows (in place of attention); gate/up;
     down over silu(gate) * up; the next layer's QKV over down's output. Each program adds its partial
     products into f32 outputs (TMA reduce-add) and counts each finished n-block on its row block's
@@ -106,6 +108,8 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
     program's share holds whole row blocks). The sums leave through OUT_ROWS rows of shared memory, in
     slots of `store_rows`; an "n" product counts a store once the stores of half the slots after it are
     issued (waiting for one to land stalls the compute warpgroup).
+    `mma`: "sync" waits for each tile's wgmma before the next; "async" keeps one in flight (accumulators
+    live across the tiles, each ring slot released once the wgmma reading it is done).
     `skip` (timing diagnostics, whose results are wrong): "waits" for producers; "inputs", each k-block's
     load and conversion; "convert", only the conversion (the load still lands); "stores", the sums'
     stores and counts (with "waits" only); "reduce", the reduction of the stores (they overwrite)."""
@@ -139,23 +143,24 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
                 for b in range(inner):
                     gl = off + a * inner + b
                     slot = lax.rem(gl, stages)
-                    pl.when(gl >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
+                    with jax.named_scope("ring_full"):  # all `stages` tiles landed or in flight
+                        pl.when(gl >= stages)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
                     plgpu.copy_gmem_to_smem(weight_tile(p, a * inner + b), w_smem.at[slot], produced.at[slot])
 
     @pl.when(wg == 0)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        # Zero the outputs the products add into, then one grid barrier.
-        o_smem[...] = jnp.zeros(o_smem.shape, jnp.float32)
-        plgpu.commit_smem()
-        for p, (n, _) in enumerate(shapes):
-            @pl.loop(sm, n // ROWS, step=num_sms)
-            def _(nb, p=p):
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, ROWS)], y_refs[p].at[pl.ds(nb * ROWS, ROWS)])
-        plgpu.wait_smem_to_gmem(0)
-        _fence_async_global()
-        plgpu.semaphore_signal(sems.at[start], 1, memory_scope="gpu")
-        plgpu.semaphore_wait(sems.at[start], num_sms, decrement=False, memory_scope="gpu")
+        with jax.named_scope("prologue"):  # zero the outputs the products add into, then one grid barrier
+            o_smem[...] = jnp.zeros(o_smem.shape, jnp.float32)
+            plgpu.commit_smem()
+            for p, (n, _) in enumerate(shapes):
+                @pl.loop(sm, n // ROWS, step=num_sms)
+                def _(nb, p=p):
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, ROWS)], y_refs[p].at[pl.ds(nb * ROWS, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+            _fence_async_global()
+            plgpu.semaphore_signal(sems.at[start], 1, memory_scope="gpu")
+            plgpu.semaphore_wait(sems.at[start], num_sms, decrement=False, memory_scope="gpu")
         zero = functools.partial(plgpu.layout_cast, jnp.zeros((ROWS, COLS), jnp.float32), plgpu.Layout.WGMMA)
 
         for p, (g, nbr, kbr, off, order) in enumerate(plan):
@@ -171,11 +176,12 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
                     return
                 kb = _k_block(plan, p, j, gi, tile_k)
                 if need is not None:
-                    plgpu.semaphore_wait(sems.at[base[p - 1] + kb], need, decrement=False, memory_scope="gpu")
-                    if kind == 3:
-                        plgpu.semaphore_wait(sems.at[base[p - 1] + HALF // tile_k + kb], need, decrement=False,
-                                             memory_scope="gpu")
-                    _fence_async_global()
+                    with jax.named_scope("producers"):
+                        plgpu.semaphore_wait(sems.at[base[p - 1] + kb], need, decrement=False, memory_scope="gpu")
+                        if kind == 3:
+                            plgpu.semaphore_wait(sems.at[base[p - 1] + HALF // tile_k + kb], need, decrement=False,
+                                                 memory_scope="gpu")
+                        _fence_async_global()
                 plgpu.copy_gmem_to_smem(src.at[pl.ds(kb * tile_k, tile_k)], stage.at[buf, 0], in_bars.at[2 * buf])
                 if kind == 3:
                     plgpu.copy_gmem_to_smem(src.at[pl.ds(HALF + kb * tile_k, tile_k)], stage.at[buf, 1],
@@ -185,20 +191,23 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
                 """The loaded k-block (silu(gate) * up for down) as the wgmma's bf16 operand, x_smem[buf]."""
                 if "inputs" in skip:
                     return
-                plgpu.barrier_wait(in_bars.at[2 * buf])
-                if kind == 3:
-                    plgpu.barrier_wait(in_bars.at[2 * buf + 1])
+                with jax.named_scope("input"):
+                    plgpu.barrier_wait(in_bars.at[2 * buf])
+                    if kind == 3:
+                        plgpu.barrier_wait(in_bars.at[2 * buf + 1])
                 if "convert" in skip:
                     return
-                v = plgpu.load(stage.at[buf, 0], layout=plgpu.Layout.WGMMA)
-                if kind == 3:
-                    u = plgpu.load(stage.at[buf, 1], layout=plgpu.Layout.WGMMA)
-                    v = v / (1.0 + jnp.exp(-v)) * u
-                x_smem.at[buf].transpose((1, 0))[...] = v.astype(x_smem.dtype)
+                with jax.named_scope("convert"):
+                    v = plgpu.load(stage.at[buf, 0], layout=plgpu.Layout.WGMMA)
+                    if kind == 3:
+                        u = plgpu.load(stage.at[buf, 1], layout=plgpu.Layout.WGMMA)
+                        v = v / (1.0 + jnp.exp(-v)) * u
+                    x_smem.at[buf].transpose((1, 0))[...] = v.astype(x_smem.dtype)
 
             def tile(gl, buf, acc):
                 slot = lax.rem(gl, stages)
-                plgpu.barrier_wait(produced.at[slot])
+                with jax.named_scope("weights"):  # the tile not landed yet: the memory is behind
+                    plgpu.barrier_wait(produced.at[slot])
 
                 def mm(acc_ref):
                     plgpu.wgmma(acc_ref, w_smem.at[slot], x_smem.at[buf].transpose((1, 0)))
@@ -206,20 +215,40 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
                 plgpu.barrier_arrive(consumed.at[slot])
                 return out
 
+            def issue_mma(gl, buf, acc_ref, first):
+                """Start tile gl's wgmma into acc_ref, then release the slot of the tile before it (whose
+                wgmma is done once at most this one is in flight), unless this is the scope's first."""
+                slot = lax.rem(gl, stages)
+                with jax.named_scope("weights"):
+                    plgpu.barrier_wait(produced.at[slot])
+                plgpu.wgmma(acc_ref, w_smem.at[slot], x_smem.at[buf].transpose((1, 0)))
+                plgpu.wgmma_wait(1)
+                release = functools.partial(plgpu.barrier_arrive, consumed.at[lax.rem(gl + stages - 1, stages)])
+                if isinstance(first, bool):
+                    if not first:
+                        release()
+                else:
+                    pl.when(jnp.logical_not(first))(release)
+
+            def finish_mma(last_gl):
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed.at[lax.rem(last_gl, stages)])
+
             group = store_rows // ROWS if nbr % (store_rows // ROWS) == 0 else 1  # n-blocks per store
 
             def store(accs, s, nb, p=p, group=group):
                 """Add the sums of n-blocks nb .. nb + len(accs) into the output, through slot s."""
-                row = lax.rem(s, OUT_ROWS // (group * ROWS)) * group * ROWS
-                plgpu.wait_smem_to_gmem(OUT_ROWS // (group * ROWS) - 1, wait_read_only=True)
-                for u, acc in enumerate(accs):
-                    o_smem.at[pl.ds(row + u * ROWS, ROWS)][...] = acc
-                if "stores" in skip:
-                    return
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row, group * ROWS)],
-                                        y_refs[p].at[pl.ds(nb * ROWS, group * ROWS)],
-                                        reduction_op=None if "reduce" in skip else "add")
+                with jax.named_scope("store"):
+                    row = lax.rem(s, OUT_ROWS // (group * ROWS)) * group * ROWS
+                    plgpu.wait_smem_to_gmem(OUT_ROWS // (group * ROWS) - 1, wait_read_only=True)
+                    for u, acc in enumerate(accs):
+                        o_smem.at[pl.ds(row + u * ROWS, ROWS)][...] = acc
+                    if "stores" in skip:
+                        return
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row, group * ROWS)],
+                                            y_refs[p].at[pl.ds(nb * ROWS, group * ROWS)],
+                                            reduction_op=None if "reduce" in skip else "add")
 
             def signal(nb, p=p, group=group):
                 """Count the group of n-blocks from nb on their row block's semaphore."""
@@ -230,18 +259,35 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
             if order == "k":
                 issue(0, 0)
 
-                def k_step(j, accs, kbr=kbr, nbr=nbr, off=off, issue=issue, operand=operand, tile=tile):
+                def k_inputs(j, kbr=kbr, issue=issue, operand=operand):
+                    """Start loading k-block j + 1; convert k-block j into x_smem (the buffer it returns)."""
                     buf = lax.rem(j, 2)
                     pl.when(j + 1 < kbr)(lambda: issue(j + 1, 1 - buf))
                     operand(buf)
                     plgpu.commit_smem()
-                    return tuple(tile(off + j * nbr + i, buf, accs[i]) for i in range(nbr))
+                    return buf
 
-                accs = lax.fori_loop(0, kbr, k_step, tuple(zero() for _ in range(nbr)))
+                if mma == "sync":
+                    def k_step(j, accs, nbr=nbr, off=off, k_inputs=k_inputs, tile=tile):
+                        buf = k_inputs(j)
+                        return tuple(tile(off + j * nbr + i, buf, accs[i]) for i in range(nbr))
+                    accs = lax.fori_loop(0, kbr, k_step, tuple(zero() for _ in range(nbr)))
+                else:
+                    def k_product(*acc_refs, kbr=kbr, nbr=nbr, off=off, k_inputs=k_inputs, issue_mma=issue_mma):
+                        def k_step(kk, carry):
+                            buf = k_inputs(kk)
+                            for i in range(nbr):
+                                issue_mma(off + kk * nbr + i, buf, acc_refs[i], kk == 0 if i == 0 else False)
+                            return carry
+                        lax.fori_loop(0, kbr, k_step, 0)
+                        finish_mma(off + kbr * nbr - 1)
+                        return tuple(r[...] for r in acc_refs)
+                    accs = pl.run_scoped(k_product, *[plgpu.ACC((ROWS, COLS), jnp.float32)] * nbr)
                 for s in range(nbr // group):
                     store(accs[s * group:(s + 1) * group], s, ri * nbr + s * group)
-                plgpu.wait_smem_to_gmem(0)
-                _fence_async_global()
+                with jax.named_scope("landed"):
+                    plgpu.wait_smem_to_gmem(0)
+                    _fence_async_global()
                 for s in range(nbr // group):
                     signal(ri * nbr + s * group)
             else:
@@ -253,30 +299,44 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
 
                 @pl.loop(0, nbr // group)
                 def _(s, kbr=kbr, nbr=nbr, off=off, ri=ri, tile=tile, store=store, signal=signal, group=group):
-                    accs = []
-                    for u in range(group):
-                        acc = zero()
-                        for j in range(kbr):
-                            acc = tile(off + (s * group + u) * kbr + j, j, acc)
-                        accs.append(acc)
+                    if mma == "sync":
+                        accs = []
+                        for u in range(group):
+                            acc = zero()
+                            for j in range(kbr):
+                                acc = tile(off + (s * group + u) * kbr + j, j, acc)
+                            accs.append(acc)
+                    else:
+                        def n_group(*acc_refs, s=s, kbr=kbr, off=off, group=group):
+                            for u in range(group):
+                                for j in range(kbr):
+                                    issue_mma(off + (s * group + u) * kbr + j, j, acc_refs[u], u == 0 and j == 0)
+                            finish_mma(off + (s * group + group - 1) * kbr + kbr - 1)
+                            return tuple(r[...] for r in acc_refs)
+                        accs = pl.run_scoped(n_group, *[plgpu.ACC((ROWS, COLS), jnp.float32)] * group)
                     nb = ri * nbr + s * group
                     store(accs, s, nb)
 
                     @pl.when(s >= lag)
                     def _():  # the sums of the store `lag` before have landed: count them
-                        plgpu.wait_smem_to_gmem(lag)
-                        _fence_async_global()
+                        with jax.named_scope("landed"):
+                            plgpu.wait_smem_to_gmem(lag)
+                            _fence_async_global()
                         signal(nb - lag * group)
 
-                plgpu.wait_smem_to_gmem(0)
-                _fence_async_global()
+                with jax.named_scope("landed"):
+                    plgpu.wait_smem_to_gmem(0)
+                    _fence_async_global()
                 for s in range(max(0, nbr // group - lag), nbr // group):
                     signal(ri * nbr + s * group)
 
 
-def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule="alt", skip=(), store_rows=None):
+def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule="alt", skip=(), store_rows=None,
+                     mma="sync", profile_dir=None):
     """x0: [4096, 8] f32 (the first QKV's input, one column per sequence); weights: 4 x layers [N, K] bf16
-    in LAYER's order. Returns every product's output [N, 8] f32. `store_rows` None: tile_k."""
+    in LAYER's order. Returns every product's output [N, 8] f32. `store_rows` None: tile_k.
+    `profile_dir`: also time the kernel's named regions with Mosaic GPU's on-device profiler, whose trace
+    (`kernels.region_summary` reads it) goes there; room for PROFILED_RANGES regions per warpgroup."""
     store_rows = store_rows or tile_k
     layers = len(weights) // 4
     if len(weights) != 4 * layers or tuple(w.shape for w in weights) != LAYER * layers:
@@ -286,6 +346,8 @@ def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule
                          f"{sorted({str(w.dtype) for w in weights})} and {x0.dtype}{list(x0.shape)}")
     plan = chain_plan(layers, tile_k, num_sms, schedule)
     skip = frozenset(skip)
+    if mma not in ("sync", "async"):
+        raise ValueError(f"persistent_chain: mma must be 'sync' or 'async', got {mma!r}")
     if store_rows not in (ROWS, tile_k) or OUT_ROWS % store_rows or OUT_ROWS // store_rows < 2:
         raise ValueError(f"persistent_chain: store_rows must be {ROWS} or tile_k ({tile_k}, at most "
                          f"{OUT_ROWS // 2}), got {store_rows}")
@@ -297,11 +359,13 @@ def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule
                plgpu.SMEM((2, 2, tile_k, COLS), jnp.float32), plgpu.SMEM((OUT_ROWS, COLS), jnp.float32),
                plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                plgpu.Barrier(num_barriers=4)]
+    params = None if profile_dir is None else plgpu.CompilerParams(
+        profile_space=PROFILED_RANGES, profile_dir=profile_dir, profile_bounds_check=True)
     return plgpu.kernel(
         functools.partial(_chain_kernel, layers=layers, tile_k=tile_k, stages=stages, num_sms=num_sms, plan=plan,
-                          skip=skip, store_rows=store_rows),
+                          skip=skip, store_rows=store_rows, mma=mma),
         out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",), num_threads=2,
-        thread_name="wg")(x0, *weights)
+        thread_name="wg", compiler_params=params)(x0, *weights)
 
 
 def chain_reference(x0, weights):
@@ -335,9 +399,14 @@ def main(argv=None):
                          "O and down start on their first complete input blocks (CHAIN_SCHEDULES)")
     ap.add_argument("--store-rows", type=positive_int, nargs="+", default=[256], choices=[ROWS, 256],
                     help="rows per store of the sums: each n-block, or each row block of a consumer's k-block")
+    ap.add_argument("--mma", nargs="+", default=["sync"], choices=["sync", "async"],
+                    help="sync: wait for each tile's wgmma; async: keep one in flight")
     ap.add_argument("--skip", nargs="*", default=[], type=_skip_parts,
                     help=f"also time each config without these parts, each a '+'-joined set of {SKIPPABLE} "
                          "(diagnostics: wrong results)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also run each config once under Mosaic GPU's on-device profiler (traces to DIR) and "
+                         "print cycles per named region; it has room for one layer's regions (use --layers 1)")
     ap.add_argument("--reps", type=positive_int, default=20)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
@@ -357,11 +426,13 @@ def main(argv=None):
     ref_fn = jax.jit(chain_reference)
     ref = ref_fn(x0, ws)
     report("xla chain (8 sequences)", time_kernels(ref_fn, x0, ws, reps=args.reps))
-    for schedule, stages, rows, skip in itertools.product(args.schedules, args.stages, args.store_rows,
-                                                          [""] + args.skip):
-        name = f"chain {schedule} stages={stages} store_rows={rows}" + (f" skip {skip} (wrong results)" if skip else "")
-        fn = jax.jit(functools.partial(persistent_chain, stages=stages, schedule=schedule, store_rows=rows,
-                                       skip=tuple(skip.split("+")) if skip else ()))
+    for schedule, stages, rows, mma, skip in itertools.product(args.schedules, args.stages, args.store_rows, args.mma,
+                                                               [""] + args.skip):
+        name = (f"chain {schedule} stages={stages} store_rows={rows} mma={mma}"
+                + (f" skip {skip} (wrong results)" if skip else ""))
+        chain = functools.partial(persistent_chain, stages=stages, schedule=schedule, store_rows=rows, mma=mma,
+                                  skip=tuple(skip.split("+")) if skip else ())
+        fn = jax.jit(chain)
         try:
             outs = fn(x0, ws)
             errs = [float(jnp.max(jnp.abs(o - r)) / (jnp.max(jnp.abs(r)) + 1e-9)) for o, r in zip(outs, ref)]
@@ -370,8 +441,14 @@ def main(argv=None):
             print(f"{name:40s} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
             results["runs"].append({"name": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
             continue
-        report(name, t, {"max_rel_err_per_product": errs})
+        extra = {"max_rel_err_per_product": errs}
+        if args.profile:
+            extra["regions"] = trace_regions(lambda d, c=chain: jax.jit(functools.partial(c, profile_dir=d))(x0, ws),
+                                             args.profile)
+        report(name, t, extra)
         print(f"{'':40s} relative error per product: max {max(errs):.2e}, last {errs[-1]:.2e}", flush=True)
+        if args.profile:
+            print_regions(extra["regions"])
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)
