@@ -9,12 +9,14 @@ through a shared-memory ring, and a compute warpgroup multiplies. The programs a
 into f32 outputs in L2 (TMA reduce-add) and count each finished block on a semaphore; a consumer waits
 only for the blocks it reads. Every output of a dense product needs every input, so only boundaries
 where the producer completes its output blocks in turn and the consumer reads them in that order can
-overlap (CHAIN_SCHEDULES "alt"). `--skip` prices the kernel's parts (timing only: wrong results).
+overlap (CHAIN_SCHEDULES "alt"). `--skip` prices the kernel's parts (timing only: wrong results), and
+`--profile` times its named regions inside the kernel (Mosaic GPU's on-device profiler).
 
 Against it, in the same run: XLA's chain of the same products at batch 1 and at 8 sequences
 (`chain_reference`, which also checks every product), and `persistent_gemv`'s stream with no waits.
 
   python benchmarks/persistent_chain.py --layers 4 --schedules k alt --store-rows 64 256 --skip waits inputs
+  python benchmarks/persistent_chain.py --layers 1 --mma sync async --profile /tmp/chain-profile
 """
 
 from __future__ import annotations
