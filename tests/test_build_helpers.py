@@ -57,7 +57,7 @@ print(json.dumps({"hits": builder.executable_cache_hits, "finished": builder.bui
 
 
 def _start(cache_dir, helpers: int, mode: str = "working") -> dict:
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir), str(helpers), mode], capture_output=True,
+    out = subprocess.run([sys.executable, "-P", "-c", _SCRIPT, str(cache_dir), str(helpers), mode], capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -103,8 +103,8 @@ print(json.dumps({"hits": engine.builder.executable_cache_hits, "programs": prog
 
 
 def test_helpers_also_store_the_servers_embedding_programs(tmp_path):
-    out = subprocess.run([sys.executable, "-c", _SERVE_SCRIPT, str(tmp_path), "2"], capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run([sys.executable, "-P", "-c", _SERVE_SCRIPT, str(tmp_path), "2"], capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     # 3 forwards and 4 embedding programs (padded lengths 16-128): warm-up builds one forward (its share,

@@ -26,7 +26,8 @@ print(json.dumps({"hits": len(hits), "buckets": llm.engine.num_compiled_buckets,
 
 
 def _start(cache_dir) -> dict:
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-P", "-c", _SCRIPT, str(cache_dir)], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -58,7 +59,7 @@ print(json.dumps({"bound": jax.config.jax_compilation_cache_max_size,
 def _bounded(cache_dir, env=None) -> dict:
     import os
 
-    out = subprocess.run([sys.executable, "-c", _BOUND_SCRIPT, str(cache_dir)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-P", "-c", _BOUND_SCRIPT, str(cache_dir)], capture_output=True, text=True,
                          timeout=300, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -55,7 +55,7 @@ print(json.dumps({"hits": llm.engine.builder.executable_cache_hits, "programs": 
 
 def _start(cache_dir, hash_seed: int, twins: bool = False) -> dict:
     env = dict(os.environ, PYTHONHASHSEED=str(hash_seed), TWINS="1" if twins else "")
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-P", "-c", _SCRIPT, str(cache_dir)], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -270,7 +270,7 @@ def test_a_program_jax_handed_back_from_memory_is_stored_only_where_loaded_copie
     # through jax.jit first comes back from JAX's memory on a later compile, with no cache event; it was
     # stored, and the next process failed with "Function ... not found".
     def run(mode):
-        out = subprocess.run([sys.executable, "-c", _JIT_FIRST, str(tmp_path), mode], capture_output=True,
+        out = subprocess.run([sys.executable, "-P", "-c", _JIT_FIRST, str(tmp_path), mode], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         return float(out.stdout.strip().splitlines()[-1])

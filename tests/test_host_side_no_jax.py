@@ -31,7 +31,7 @@ def _heavy_imports(bypass_package_init):
     pkg_dir = _pkg_dir()
     modules = [f"jengine.{m}" for m in HOST_MODULES if os.path.exists(os.path.join(pkg_dir, f"{m}.py"))]
     code = _PROBE.format(bypass_package_init=bypass_package_init, pkg_dir=pkg_dir, modules=modules)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
 

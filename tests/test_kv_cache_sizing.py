@@ -92,7 +92,8 @@ def test_too_little_memory_names_the_remedies(monkeypatch):
 def test_import_sets_the_allocator_fraction_only_when_unconfigured(env, before, expected):
     clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
     code = before + "import os, jengine; print(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))"
-    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-P", "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                         check=True)
     assert out.stdout.strip().splitlines()[-1] == str(expected)
 
 
@@ -150,7 +151,7 @@ def test_late_import_changes_no_environment_and_stays_quiet_on_cpu():
     clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
     code = ("import jax, os; jax.devices(); import jengine; "
             "print(os.environ.get('XLA_FLAGS'), os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))")
-    out = subprocess.run([sys.executable, "-c", code], env={**clean, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+    out = subprocess.run([sys.executable, "-P", "-c", code], env={**clean, "JAX_PLATFORMS": "cpu"}, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "None None"
     assert "jengine could not apply" not in out.stderr

@@ -93,7 +93,7 @@ def test_twin_forwards_take_turns_and_give_the_same_tokens(llm):
     alternate between the copies (each keeps its own CUDA graph); the tokens are those of one copy alone."""
     prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
-    proc = subprocess.run([sys.executable, "-c", _TWIN_SCRIPT % (prompts,)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-P", "-c", _TWIN_SCRIPT % (prompts,)], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     twins = json.loads(proc.stdout.strip().splitlines()[-1])

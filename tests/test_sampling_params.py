@@ -98,7 +98,7 @@ def test_clone_validates_and_does_not_share_lists():
 
 def test_host_side_modules_do_not_import_jax():
     code = "import sys, jengine.sampling_params, jengine.detokenizer; print('jax' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 

@@ -123,5 +123,5 @@ def test_engine_imports_and_a_model_without_tokenizer_do_not_import_transformers
     code = ("import sys; import jengine.llm; from jengine.tokenizer import load_tokenizer; "
             f"assert load_tokenizer({os.path.join(FIXTURES_DIR, 'llama')!r}) is None; "
             "print('transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
