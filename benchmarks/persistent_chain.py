@@ -33,8 +33,8 @@ from common import positive_int
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from kernels import print_regions, trace_regions
-from persistent_gemv import COLS, LAYER, ROWS, persistent_gemv, setup, tiled_smem, time_kernels, xla_chain
+from kernels import cupti_us, print_regions, trace_regions
+from persistent_gemv import COLS, LAYER, ROWS, persistent_gemv, setup, tiled_smem, xla_chain
 
 from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic
 
@@ -417,17 +417,17 @@ def main(argv=None):
                          f"{jax.devices()[0].device_kind}")
 
     weights, x1, results, report = setup(args.layers)
-    report("xla chain (batch 1)", time_kernels(jax.jit(xla_chain), x1, weights, reps=args.reps))
+    report("xla chain (batch 1)", cupti_us(jax.jit(xla_chain), (x1, weights), args.reps) * 1e-6)
     stream = jax.jit(functools.partial(persistent_gemv, tile_k=256, stages=6, barrier="none", num_sms=128))
     xs = jax.random.normal(jax.random.key(1), (COLS, 256), jnp.bfloat16)
-    report("stream, no waits (persistent_gemv)", time_kernels(stream, xs, weights, reps=args.reps))
+    report("stream, no waits (persistent_gemv)", cupti_us(stream, (xs, weights), args.reps) * 1e-6)
 
     scale = [jnp.asarray(1.0 / np.sqrt(w.shape[1]) / 0.02, jnp.bfloat16) for w in weights]  # keep values O(1)
     ws = [w * s for w, s in zip(weights, scale)]
     x0 = jax.random.normal(jax.random.key(2), (LAYER[0][1], COLS), jnp.float32)
     ref_fn = jax.jit(chain_reference)
     ref = ref_fn(x0, ws)
-    report("xla chain (8 sequences)", time_kernels(ref_fn, x0, ws, reps=args.reps))
+    report("xla chain (8 sequences)", cupti_us(ref_fn, (x0, ws), args.reps) * 1e-6)
     for schedule, stages, rows, mma, skip in itertools.product(args.schedules, args.stages, args.store_rows, args.mma,
                                                                [""] + args.skip):
         name = (f"chain {schedule} stages={stages} store_rows={rows} mma={mma}"
@@ -438,7 +438,7 @@ def main(argv=None):
         try:
             outs = fn(x0, ws)
             errs = [float(jnp.max(jnp.abs(o - r)) / (jnp.max(jnp.abs(r)) + 1e-9)) for o, r in zip(outs, ref)]
-            t = time_kernels(fn, x0, ws, reps=args.reps)
+            t = cupti_us(fn, (x0, ws), args.reps) * 1e-6
         except Exception as e:  # a config that does not fit: report and go on
             print(f"{name:40s} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
             results["runs"].append({"name": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})

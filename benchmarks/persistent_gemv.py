@@ -31,7 +31,6 @@ import functools
 import itertools
 import json
 import re
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from common import non_negative_int, positive_int
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from kernels import cupti_us
 
 from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic
 
@@ -174,16 +174,6 @@ def xla_chain(x, weights):
     return h
 
 
-def time_kernels(fn, *args, reps):
-    """Median seconds of one call's GPU kernels, summed by CUPTI (no host time, no launch gaps)."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    jax.block_until_ready(fn(*args))
-    timed = profiler.measure(fn)
-    times = [timed(*args)[1] for _ in range(reps)]
-    return statistics.median(t for t in times if t is not None) / 1e3
-
-
 def setup(layers):
     """The benchmark's random weights (`layers` x LAYER, bf16), a batch-1 input, the results dict and
     `report(name, seconds, extra)`, which prints a run and adds it to the results."""
@@ -228,12 +218,12 @@ def main(argv=None):
     nbytes = results["weight_bytes"]
     flat = jnp.concatenate([w.reshape(-1) for w in weights])
     copy = jax.jit(lambda a: a + jnp.bfloat16(1))
-    t = time_kernels(copy, flat, reps=args.reps)
+    t = cupti_us(copy, (flat,), args.reps) * 1e-6
     results["runs"].append({"name": "copy (read + write)", "us": t * 1e6, "TBps": 2 * nbytes / t / 1e12})
     print(f"{'copy (read + write)':40s} {t * 1e6:9.1f} us  {2 * nbytes / t / 1e12:.2f} TB/s of traffic", flush=True)
     del flat
 
-    report("xla chain (batch 1)", time_kernels(jax.jit(xla_chain), x1, weights, reps=args.reps))
+    report("xla chain (batch 1)", cupti_us(jax.jit(xla_chain), (x1, weights), args.reps) * 1e-6)
 
     for tile_k in args.tile_k:
         xs = jax.random.normal(jax.random.key(1), (COLS, tile_k), jnp.bfloat16)
@@ -243,7 +233,7 @@ def main(argv=None):
                 fn = jax.jit(functools.partial(persistent_gemv, tile_k=tile_k, stages=stages, barrier=barrier,
                                                num_sms=sms or None))
                 try:
-                    t = time_kernels(fn, xs, weights, reps=args.reps)
+                    t = cupti_us(fn, (xs, weights), args.reps) * 1e-6
                 except Exception as e:  # a config that does not fit: report and go on
                     print(f"{name:40s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     results["runs"].append({"name": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
