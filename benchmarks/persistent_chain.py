@@ -16,7 +16,7 @@ Against it, in the same run: XLA's chain of the same products at batch 1 and at 
 (`chain_reference`, which also checks every product), and `persistent_gemv`'s stream with no waits.
 
   python benchmarks/persistent_chain.py --layers 4 --schedules k alt --store-rows 64 256 --skip waits inputs
-  python benchmarks/persistent_chain.py --layers 1 --mma sync async --profile /tmp/chain-profile
+  python benchmarks/persistent_chain.py --layers 1 --profile /tmp/chain-profile
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _tile_at(plan, p, q, gi, ri, tile_k):
     return ri * nbr + i, _k_block(plan, p, j, gi, tile_k)
 
 
-def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, store_rows, mma):
+def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, store_rows):
     """A chain of dependent products: QKV; O over QKV's first 4096 rows (in place of attention); gate/up;
     down over silu(gate) * up; the next layer's QKV over down's output. Each program adds its partial
     products into f32 outputs (TMA reduce-add) and counts each finished n-block on its row block's
@@ -110,8 +110,6 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
     program's share holds whole row blocks). The sums leave through OUT_ROWS rows of shared memory, in
     slots of `store_rows`; an "n" product counts a store once the stores of half the slots after it are
     issued (waiting for one to land stalls the compute warpgroup).
-    `mma`: "sync" waits for each tile's wgmma before the next; "async" keeps one in flight (accumulators
-    live across the tiles, each ring slot released once the wgmma reading it is done).
     `skip` (timing diagnostics, whose results are wrong): "waits" for producers; "inputs", each k-block's
     load and conversion; "convert", only the conversion (the load still lands); "stores", the sums'
     stores and counts (with "waits" only); "reduce", the reduction of the stores (they overwrite)."""
@@ -217,25 +215,6 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
                 plgpu.barrier_arrive(consumed.at[slot])
                 return out
 
-            def issue_mma(gl, buf, acc_ref, first):
-                """Start tile gl's wgmma into acc_ref, then release the slot of the tile before it (whose
-                wgmma is done once at most this one is in flight), unless this is the scope's first."""
-                slot = lax.rem(gl, stages)
-                with jax.named_scope("weights"):
-                    plgpu.barrier_wait(produced.at[slot])
-                plgpu.wgmma(acc_ref, w_smem.at[slot], x_smem.at[buf].transpose((1, 0)))
-                plgpu.wgmma_wait(1)
-                release = functools.partial(plgpu.barrier_arrive, consumed.at[lax.rem(gl + stages - 1, stages)])
-                if isinstance(first, bool):
-                    if not first:
-                        release()
-                else:
-                    pl.when(jnp.logical_not(first))(release)
-
-            def finish_mma(last_gl):
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(consumed.at[lax.rem(last_gl, stages)])
-
             group = store_rows // ROWS if nbr % (store_rows // ROWS) == 0 else 1  # n-blocks per store
 
             def store(accs, s, nb, p=p, group=group):
@@ -261,30 +240,14 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
             if order == "k":
                 issue(0, 0)
 
-                def k_inputs(j, kbr=kbr, issue=issue, operand=operand):
-                    """Start loading k-block j + 1; convert k-block j into x_smem (the buffer it returns)."""
+                def k_step(j, accs, kbr=kbr, nbr=nbr, off=off, issue=issue, operand=operand, tile=tile):
                     buf = lax.rem(j, 2)
                     pl.when(j + 1 < kbr)(lambda: issue(j + 1, 1 - buf))
                     operand(buf)
                     plgpu.commit_smem()
-                    return buf
+                    return tuple(tile(off + j * nbr + i, buf, accs[i]) for i in range(nbr))
 
-                if mma == "sync":
-                    def k_step(j, accs, nbr=nbr, off=off, k_inputs=k_inputs, tile=tile):
-                        buf = k_inputs(j)
-                        return tuple(tile(off + j * nbr + i, buf, accs[i]) for i in range(nbr))
-                    accs = lax.fori_loop(0, kbr, k_step, tuple(zero() for _ in range(nbr)))
-                else:
-                    def k_product(*acc_refs, kbr=kbr, nbr=nbr, off=off, k_inputs=k_inputs, issue_mma=issue_mma):
-                        def k_step(kk, carry):
-                            buf = k_inputs(kk)
-                            for i in range(nbr):
-                                issue_mma(off + kk * nbr + i, buf, acc_refs[i], kk == 0 if i == 0 else False)
-                            return carry
-                        lax.fori_loop(0, kbr, k_step, 0)
-                        finish_mma(off + kbr * nbr - 1)
-                        return tuple(r[...] for r in acc_refs)
-                    accs = pl.run_scoped(k_product, *[plgpu.ACC((ROWS, COLS), jnp.float32)] * nbr)
+                accs = lax.fori_loop(0, kbr, k_step, tuple(zero() for _ in range(nbr)))
                 for s in range(nbr // group):
                     store(accs[s * group:(s + 1) * group], s, ri * nbr + s * group)
                 with jax.named_scope("landed"):
@@ -301,21 +264,12 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
 
                 @pl.loop(0, nbr // group)
                 def _(s, kbr=kbr, nbr=nbr, off=off, ri=ri, tile=tile, store=store, signal=signal, group=group):
-                    if mma == "sync":
-                        accs = []
-                        for u in range(group):
-                            acc = zero()
-                            for j in range(kbr):
-                                acc = tile(off + (s * group + u) * kbr + j, j, acc)
-                            accs.append(acc)
-                    else:
-                        def n_group(*acc_refs, s=s, kbr=kbr, off=off, group=group):
-                            for u in range(group):
-                                for j in range(kbr):
-                                    issue_mma(off + (s * group + u) * kbr + j, j, acc_refs[u], u == 0 and j == 0)
-                            finish_mma(off + (s * group + group - 1) * kbr + kbr - 1)
-                            return tuple(r[...] for r in acc_refs)
-                        accs = pl.run_scoped(n_group, *[plgpu.ACC((ROWS, COLS), jnp.float32)] * group)
+                    accs = []
+                    for u in range(group):
+                        acc = zero()
+                        for j in range(kbr):
+                            acc = tile(off + (s * group + u) * kbr + j, j, acc)
+                        accs.append(acc)
                     nb = ri * nbr + s * group
                     store(accs, s, nb)
 
@@ -334,7 +288,7 @@ def _chain_kernel(x0_ref, *refs, layers, tile_k, stages, num_sms, plan, skip, st
 
 
 def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule="alt", skip=(), store_rows=None,
-                     mma="sync", profile_dir=None):
+                     profile_dir=None):
     """x0: [4096, 8] f32 (the first QKV's input, one column per sequence); weights: 4 x layers [N, K] bf16
     in LAYER's order. Returns every product's output [N, 8] f32. `store_rows` None: tile_k.
     `profile_dir`: also time the kernel's named regions with Mosaic GPU's on-device profiler, whose trace
@@ -348,8 +302,6 @@ def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule
                          f"{sorted({str(w.dtype) for w in weights})} and {x0.dtype}{list(x0.shape)}")
     plan = chain_plan(layers, tile_k, num_sms, schedule)
     skip = frozenset(skip)
-    if mma not in ("sync", "async"):
-        raise ValueError(f"persistent_chain: mma must be 'sync' or 'async', got {mma!r}")
     if store_rows not in (ROWS, tile_k) or OUT_ROWS % store_rows or OUT_ROWS // store_rows < 2:
         raise ValueError(f"persistent_chain: store_rows must be {ROWS} or tile_k ({tile_k}, at most "
                          f"{OUT_ROWS // 2}), got {store_rows}")
@@ -365,7 +317,7 @@ def persistent_chain(x0, weights, *, tile_k=256, stages=5, num_sms=128, schedule
         profile_space=PROFILED_RANGES, profile_dir=profile_dir, profile_bounds_check=True)
     return plgpu.kernel(
         functools.partial(_chain_kernel, layers=layers, tile_k=tile_k, stages=stages, num_sms=num_sms, plan=plan,
-                          skip=skip, store_rows=store_rows, mma=mma),
+                          skip=skip, store_rows=store_rows),
         out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",), num_threads=2,
         thread_name="wg", compiler_params=params)(x0, *weights)
 
@@ -401,8 +353,6 @@ def main(argv=None):
                          "O and down start on their first complete input blocks (CHAIN_SCHEDULES)")
     ap.add_argument("--store-rows", type=positive_int, nargs="+", default=[256], choices=[ROWS, 256],
                     help="rows per store of the sums: each n-block, or each row block of a consumer's k-block")
-    ap.add_argument("--mma", nargs="+", default=["sync"], choices=["sync", "async"],
-                    help="sync: wait for each tile's wgmma; async: keep one in flight")
     ap.add_argument("--skip", nargs="*", default=[], type=_skip_parts,
                     help=f"also time each config without these parts, each a '+'-joined set of {SKIPPABLE} "
                          "(diagnostics: wrong results)")
@@ -428,11 +378,11 @@ def main(argv=None):
     ref_fn = jax.jit(chain_reference)
     ref = ref_fn(x0, ws)
     report("xla chain (8 sequences)", cupti_us(ref_fn, (x0, ws), args.reps) * 1e-6)
-    for schedule, stages, rows, mma, skip in itertools.product(args.schedules, args.stages, args.store_rows, args.mma,
+    for schedule, stages, rows, skip in itertools.product(args.schedules, args.stages, args.store_rows,
                                                                [""] + args.skip):
-        name = (f"chain {schedule} stages={stages} store_rows={rows} mma={mma}"
+        name = (f"chain {schedule} stages={stages} store_rows={rows}"
                 + (f" skip {skip} (wrong results)" if skip else ""))
-        chain = functools.partial(persistent_chain, stages=stages, schedule=schedule, store_rows=rows, mma=mma,
+        chain = functools.partial(persistent_chain, stages=stages, schedule=schedule, store_rows=rows,
                                   skip=tuple(skip.split("+")) if skip else ())
         fn = jax.jit(chain)
         try:

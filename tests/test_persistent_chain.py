@@ -67,10 +67,8 @@ def test_chain_matches_jnp():
           for i, s in enumerate(pc.LAYER)]
     x0 = jax.random.normal(jax.random.key(9), (4096, 8), jnp.float32)
     ref = pc.chain_reference(x0, ws)
-    for schedule, rows, mma in [(s, 64, "sync") for s in pc.CHAIN_SCHEDULES] + [("alt", 256, "sync"),
-                                                                                ("alt", 256, "async"),
-                                                                                ("k", 64, "async")]:
-        for o, r in zip(pc.persistent_chain(x0, ws, schedule=schedule, store_rows=rows, mma=mma), ref):
+    for schedule, rows in [(s, 64) for s in pc.CHAIN_SCHEDULES] + [("alt", 256)]:
+        for o, r in zip(pc.persistent_chain(x0, ws, schedule=schedule, store_rows=rows), ref):
             assert float(jnp.max(jnp.abs(o - r)) / jnp.max(jnp.abs(r))) < 1e-2
 
 
