@@ -31,6 +31,11 @@ from jengine.step_input import pack
 logger = logging.getLogger(__name__)
 
 
+def _default_workers() -> int:
+    """Threads that compile at once (XLA compiles without the GIL): the cores, at most 16."""
+    return max(1, min(16, os.cpu_count() or 1))
+
+
 class ProgramBuilder:
     """Builds `runner`'s programs, filling its compiled programs (and the second copies of twinned
     forwards, see `ModelRunner`) before the first step; keeps warm-up's report.
@@ -104,7 +109,7 @@ class ProgramBuilder:
         """Programs outside the step buckets (the embedding programs), `{name: (program, args, trace)}`:
         loaded from the executable cache where it holds them, else traced (`trace()`), lowered,
         compiled and stored there; loads and compiles in parallel, as at warm-up."""
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as pool:
+        with concurrent.futures.ThreadPoolExecutor(_default_workers()) as pool:
             builds = self._start_builds(((name, self._key(program, args), trace, None)
                                          for name, (program, args, trace) in programs.items()), pool)
             return {name: compiled for name, compiled, _ in self._finish_builds(builds, pool)}
@@ -147,7 +152,7 @@ class ProgramBuilder:
         compiled. Returns the number of buckets."""
         runner = self.runner
         buckets = runner.buckets()
-        workers = workers or max(1, min(16, os.cpu_count() or 1))
+        workers = workers or _default_workers()
         bar = tqdm(total=len(buckets), desc="Compiling buckets", disable=not progress)
         cache = self.executable_cache
         # The sampling and prompt-logprob programs, quick to lower but 1-5 s of XLA compile each, go to
