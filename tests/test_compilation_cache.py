@@ -7,6 +7,7 @@ the second start reaches JAX's cache.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -57,8 +58,6 @@ print(json.dumps({"bound": jax.config.jax_compilation_cache_max_size,
 
 
 def _bounded(cache_dir, env=None) -> dict:
-    import os
-
     out = subprocess.run([sys.executable, "-P", "-c", _BOUND_SCRIPT, str(cache_dir)], capture_output=True, text=True,
                          timeout=300, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr[-2000:]
