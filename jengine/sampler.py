@@ -186,6 +186,8 @@ class SamplerSwitches(NamedTuple):
     random: bool
     top_logprobs: bool
     small_k: bool = False  # with filter_k: every top-k row has k <= SMALL_TOP_K (the cheaper select)
+    # with small_k: every top-p row is also a top-k row, so top-p looks at the SMALL_TOP_K candidates only
+    small_p: bool = False
 
 
 def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
@@ -197,16 +199,20 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     top-k: a top-k-only batch pays the top-p select too (rows with top_p = 1 keep what top-k kept), so
     each S has two filter programs, not three. A top-p-only batch (what OpenAI's API can ask for) skips
     the top-k select. `small_k`: every top-k row's k is at most SMALL_TOP_K, so the top-k select can
-    look at the SMALL_TOP_K chunks with the largest maxima only (`kth_largest_key`)."""
+    look at the SMALL_TOP_K chunks with the largest maxima only (`kth_largest_key`). `small_p`: also no
+    row filters top-p without top-k (HF-style top_k=50 with or without top_p), so every nucleus lies
+    among those SMALL_TOP_K candidates and the top-p select needs no pass of 16 over [S, V]."""
     k = np.asarray(t.top_k)
+    top_p = np.asarray(t.top_p)
     filter_k = bool(np.any(k < vocab_size))
     small_k = filter_k and bool(np.all((k <= SMALL_TOP_K) | (k >= vocab_size)))
-    filter_p = filter_k or bool(np.any(np.asarray(t.top_p) < 1.0))
+    small_p = small_k and not bool(np.any((k >= vocab_size) & (top_p < 1.0)))
+    filter_p = filter_k or bool(np.any(top_p < 1.0))
     adjust = bool(
         np.any(np.asarray(t.bias_ids) < vocab_size) or np.any(np.asarray(t.repetition_penalty) != 1.0)
         or np.any(np.asarray(t.presence_penalty) != 0.0) or np.any(np.asarray(t.frequency_penalty) != 0.0))
     random = filter_p or adjust or not bool(np.all(t.greedy))
-    return SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)), small_k)
+    return SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)), small_k, small_p)
 
 
 # The tables only the general (`random`) program reads: at S=256 they are ~2.7 MB a step to pack and copy.
@@ -278,7 +284,7 @@ def _apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
 
 
 def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *, filter_k: bool = True,
-                       filter_p: bool = True, small_k: bool = False) -> jax.Array:
+                       filter_p: bool = True, small_k: bool = False, small_p: bool = False) -> jax.Array:
     """Mask tokens outside each row's top-k, then outside the top-p nucleus of the survivors.
 
     Exact for every k and p without sorting V: top-k keeps values >= the k-th largest; top-p keeps a
@@ -294,19 +300,31 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
     `filter_k=False` / `filter_p=False` leave out the top-k / top-p select (static: the caller knows that
     no row uses it); each is 16 passes over [S, V]. `small_k=True` (every row's k <= SMALL_TOP_K or off)
     finds the k-th largest key from the chunks that can hold it instead (`kth_largest_key`).
+    `small_p=True` (with small_k; every row with top_p < 1 has k <= SMALL_TOP_K) takes the top-p
+    threshold from those SMALL_TOP_K largest logits: a top-k row's survivors past them tie with its k-th
+    largest, whose mass is the least a survivor has, so a threshold above it sums only candidates' mass,
+    and one at it keeps every survivor either way.
     """
     rows = logits.shape[0]
     survivors = logits
     if filter_k:
         keys = ordered_keys(logits)  # [S, V]
         if small_k:
-            tau_k = kth_largest_key(keys, top_k, SMALL_TOP_K)
+            tau_k, candidates = kth_largest_key(keys, top_k, SMALL_TOP_K)
         else:
             tau_k = largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= top_k, rows)
         survivors = jnp.where(keys >= tau_k[:, None], logits, -jnp.inf)
     if not filter_p:
         return survivors
     mass = jax.nn.softmax(survivors, axis=-1)  # [S, V], 0 outside the top-k
+    if filter_k and small_k and small_p:
+        cand = jnp.take_along_axis(mass, candidates, axis=1)  # [S, n], non-increasing
+        at_or_above = jnp.sum(jnp.where(cand[:, None, :] >= cand[:, :, None], cand[:, None, :], 0.0), axis=-1)
+        reach = at_or_above >= top_p[:, None]  # non-decreasing along the row: the first is the threshold
+        first = jnp.argmax(reach, axis=-1)
+        tau = jnp.take_along_axis(cand, first[:, None], axis=1)[:, 0]
+        tau = jnp.where(jnp.any(reach, axis=-1) & (top_p < 1.0), tau, 0.0)
+        return jnp.where(mass >= tau[:, None], survivors, -jnp.inf)
     mass_keys = jax.lax.bitcast_convert_type(mass, jnp.uint32)
     tau_p = largest_key(lambda c: jnp.sum(jnp.where(mass_keys >= c[..., None], mass, 0.0), axis=-1) >= top_p, rows)
     tau_p = jnp.where(top_p < 1.0, tau_p, jnp.uint32(0))
@@ -314,7 +332,8 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
 
 
 def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = True, filter_p: bool = True,
-                   small_k: bool = False, adjust: bool = True, temper: bool = True) -> jax.Array:
+                   small_k: bool = False, small_p: bool = False, adjust: bool = True,
+                   temper: bool = True) -> jax.Array:
     """logits [S, V] -> the distribution each row samples from [S, V] (masked tokens are -inf).
 
     Static choices of a caller that knows the batch (so the program has no data-dependent branch):
@@ -330,7 +349,8 @@ def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = Tr
         logits = _apply_penalties(_apply_logit_bias(logits, t), t)
     if temper:
         logits = _apply_min_p(logits / jnp.where(t.greedy, 1.0, t.temperature)[:, None], t.min_p)
-    return _apply_top_k_top_p(logits, t.top_k, t.top_p, filter_k=filter_k, filter_p=filter_p, small_k=small_k)
+    return _apply_top_k_top_p(logits, t.top_k, t.top_p, filter_k=filter_k, filter_p=filter_p, small_k=small_k,
+                              small_p=small_p)
 
 
 def _row_keys(t: SamplingTensors) -> jax.Array:
@@ -380,6 +400,7 @@ def sample(
     random: bool = True,
     top_logprobs: bool = True,
     small_k: bool = False,
+    small_p: bool = False,
     logprobs_mode: str = "raw_logprobs",
 ) -> SamplerOutput:
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
@@ -388,7 +409,8 @@ def sample(
     none uses top-p (each skips a radix select, 16 passes of masked reductions over [S, V];
     `sampler_switches` keeps `filter_p` on with `filter_k`; `small_k=True` when every top-k row has k <=
     SMALL_TOP_K: the k-th largest from the chunks that can hold it, 0.23 ms at S=256 on an H200 against
-    0.64), `random=False` when every row is
+    0.64; `small_p=True` when, besides, no row uses top-p without top-k: the top-p threshold from those
+    SMALL_TOP_K candidates, no radix select at all), `random=False` when every row is
     greedy and no row has a logit_bias entry or a penalty (no categorical draw, and no scatters into a
     copy of the logits, no temperature or min_p pass: an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-20 over [S, V]: 0.11 ms at S=256 on an
@@ -397,7 +419,8 @@ def sample(
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
     assert logits.shape[0] == t.temperature.shape[0], (logits.shape, t.temperature.shape)
-    processed = process_logits(logits, t, filter_k=filter_k, filter_p=filter_p, small_k=small_k, adjust=random,
+    processed = process_logits(logits, t, filter_k=filter_k, filter_p=filter_p, small_k=small_k, small_p=small_p,
+                               adjust=random,
                                temper=random or logprobs_mode == "processed_logprobs")  # [S, V]
     next_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [S]
     if random:

@@ -5,7 +5,8 @@
   top-p thresholds for any k and p: 16 passes over [N, V]).
 - `top_n`: `lax.top_k` for small n, from the n chunks with the largest maxima (one pass over [N, V]
   and two sorts of small arrays; XLA's GPU TopK kernel takes k <= 16 and otherwise sorts whole rows).
-- `kth_largest_key`: the k-th largest key per row for k up to a small bound, through `top_n`.
+- `kth_largest_key`: the k-th largest key per row for k up to a small bound, through `top_n`
+  (and the ids of the bound largest).
 
 Device-side pure functions; `jengine.sampler` uses them.
 """
@@ -82,11 +83,14 @@ def top_n(x: jax.Array, n: int, chunk: int = TOP_N_CHUNK) -> tuple[jax.Array, ja
     return values, ids.astype(jnp.int32)
 
 
-def kth_largest_key(keys: jax.Array, k: jax.Array, bound: int, chunk: int = TOP_N_CHUNK) -> jax.Array:
+def kth_largest_key(keys: jax.Array, k: jax.Array, bound: int,
+                    chunk: int = TOP_N_CHUNK) -> tuple[jax.Array, jax.Array]:
     """The k-th largest of each row's uint32 keys [N, V], exactly, for k [N] <= bound; 0 (keep
-    everything) where k > bound. Through `top_n` of the keys as int32, so no pass of 16 over [N, V]."""
+    everything) where k > bound. Through `top_n` of the keys as int32, so no pass of 16 over [N, V].
+    Also returns the ids of the row's min(bound, V) largest keys [N, bound'], largest first (ties by id)."""
     bound = min(bound, keys.shape[1])
     signed = jax.lax.bitcast_convert_type(keys ^ jnp.uint32(_SIGN), jnp.int32)  # sorts like the keys
-    largest, _ = top_n(signed, bound, chunk)  # [N, bound], descending
+    largest, ids = top_n(signed, bound, chunk)  # [N, bound], descending
     kth = jnp.take_along_axis(largest, jnp.clip(k - 1, 0, bound - 1)[:, None], axis=1)[:, 0]
-    return jnp.where(k <= bound, jax.lax.bitcast_convert_type(kth, jnp.uint32) ^ jnp.uint32(_SIGN), jnp.uint32(0))
+    kth = jnp.where(k <= bound, jax.lax.bitcast_convert_type(kth, jnp.uint32) ^ jnp.uint32(_SIGN), jnp.uint32(0))
+    return kth, ids

@@ -21,7 +21,7 @@ from jengine.selection import TOP_N_CHUNK, kth_largest_key, largest_key, ordered
 V = 16
 
 _sample = jax.jit(sample, static_argnames=("filter_k", "filter_p", "logprobs_mode"))
-_process = jax.jit(process_logits, static_argnames=("filter_k", "filter_p", "small_k"))
+_process = jax.jit(process_logits, static_argnames=("filter_k", "filter_p", "small_k", "small_p"))
 
 
 def tensors(rows, S=None, **kw):
@@ -78,10 +78,14 @@ PROBS = [0.5, 0.25, 0.15, 0.1]
         (dict(min_p=0.25, temperature=2.0), {0, 1, 2, 3}),  # temperature before min_p flattens
     ],
 )
-@pytest.mark.parametrize("small_k", [False, True])  # the radix select, and the k <= 64 one (V < 64 here)
-def test_filter_masks_exact_on_small_logits(params, expected, small_k):
+# the radix selects, the k <= 64 one (V < 64 here), and that with top-p among its candidates
+@pytest.mark.parametrize("small", [dict(), dict(small_k=True), dict(small_k=True, small_p=True)])
+def test_filter_masks_exact_on_small_logits(params, expected, small):
     logits = np.stack([row_logits(PROBS)] * 2)
-    out = _process(logits, tensors([P(**params), P()]), small_k=small_k)
+    t = tensors([P(**params), P()])
+    if small.get("small_p") and not sampler_switches(t, V).small_p:
+        pytest.skip("a top-p row without top-k: not a small_p batch")
+    out = _process(logits, t, **small)
     assert kept(out[0]) == expected
     assert kept(out[1]) == set(range(V))  # the other row is untouched
 
@@ -139,12 +143,49 @@ def test_the_small_k_select_keeps_what_the_radix_select_keeps(kind):
     radix = largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= jnp.asarray(top_k), 6)
     radix = np.where(top_k < 9000, np.asarray(radix), 0)
     for chunk in (16, 10**6):  # 563 chunks (pre-selected), one chunk (the whole row)
-        got = jax.jit(functools.partial(kth_largest_key, bound=SMALL_TOP_K, chunk=chunk))(keys, jnp.asarray(top_k))
+        got, ids = jax.jit(functools.partial(kth_largest_key, bound=SMALL_TOP_K, chunk=chunk))(keys, jnp.asarray(top_k))
         np.testing.assert_array_equal(np.asarray(got), radix)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(jax.lax.top_k(jnp.asarray(logits), SMALL_TOP_K)[1]))
     top_p = np.array([1.0, 0.9, 0.5, 1.0, 0.8, 1.0], np.float32)
     full = _apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p))
     small = _apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p), small_k=True)
     np.testing.assert_array_equal(np.asarray(small), np.asarray(full))
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "few_finite", "peaked"])
+def test_top_p_among_the_top_k_candidates_keeps_what_the_radix_select_keeps(kind):
+    """`small_p` (every top-p row also has k <= SMALL_TOP_K) takes the top-p threshold from the
+    SMALL_TOP_K largest logits: the same masks as the two radix selects, on ties (the k-th largest tied
+    past the candidates), rows with few finite logits, rows whose nucleus is one token or all of the
+    top-k, and rows with neither filter."""
+    from jengine.sampler import SMALL_TOP_K, _apply_top_k_top_p
+
+    rng = np.random.default_rng(7)
+    rows = 12
+    logits = rng.standard_normal((rows, 9000)).astype(np.float32) * rng.uniform(0.3, 4.0, (rows, 1))
+    if kind == "ties":  # many tokens share each value: tie groups straddle the 64th largest
+        logits = np.round(logits * 1.5) / 1.5
+    if kind == "few_finite":
+        logits[:, 40:] = -np.inf
+    if kind == "peaked":
+        logits[:, 5] += 12.0
+    top_k = np.array([1, 7, 50, SMALL_TOP_K, 9000, 3, 20, 64, 40, 9000, 2, 33], np.int32)  # 9000 = V: off
+    top_p = np.array([0.9, 0.9, 0.5, 0.95, 1.0, 1.0, 0.3, 0.99, 0.7, 1.0, 0.6, 0.05], np.float32)
+    t = build_sampling_tensors([SamplingRow(P(top_k=int(k) if k < 9000 else -1, top_p=float(p), temperature=0.7),
+                                            [], []) for k, p in zip(top_k, top_p)], rows, 9000, penalty_window=8,
+                               max_bias_entries=8)
+    assert tuple(sampler_switches(t, 9000))[4:] == (True, True)
+    np.testing.assert_array_equal(np.asarray(t.top_k), top_k)
+    args = (jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p))
+    full = np.asarray(_apply_top_k_top_p(*args))
+    small = np.asarray(_apply_top_k_top_p(*args, small_k=True, small_p=True))
+    np.testing.assert_array_equal(np.isfinite(small), np.isfinite(full))
+    np.testing.assert_array_equal(small, full)
+    kept_counts = np.isfinite(full).sum(axis=1)
+    assert kept_counts.min() == 1  # a one-token nucleus
+    assert kept_counts.max() == (40 if kind == "few_finite" else 9000)  # a row with neither filter keeps all
+    if kind == "ties":  # the k = 64 row with p = 0.99 keeps its k-th largest's tie group, past the candidates
+        assert kept_counts[7] > SMALL_TOP_K
 
 
 def test_penalties_exact():
@@ -279,22 +320,24 @@ def test_one_compilation_serves_every_option_mix():
 
 
 @pytest.mark.parametrize("options, expected", [
-    ([dict(temperature=0.0)], (False, False, False, False, False)),
-    ([dict(temperature=0.0), dict(temperature=0.7)], (False, False, True, False, False)),
-    ([dict(temperature=0.7, top_p=0.9)], (False, True, True, False, False)),  # top-p alone skips the top-k select
-    ([dict(temperature=0.7, top_k=5)], (True, True, True, False, True)),  # top-k comes with the top-p select
-    ([dict(temperature=0.7, top_k=5), dict(temperature=0.7, top_p=0.5)], (True, True, True, False, True)),
-    ([dict(temperature=0.7, top_k=64), dict(temperature=0.7, top_k=65)], (True, True, True, False, False)),  # k > 64
-    ([dict(temperature=0.0, logprobs=0)], (False, False, False, True, False)),
-    ([dict(temperature=0.0), dict(temperature=0.0, logprobs=3)], (False, False, False, True, False)),
-    ([dict(temperature=0.0, min_p=0.5)], (False, False, False, False, False)),  # min_p does not move an argmax
+    ([dict(temperature=0.0)], (False, False, False, False, False, False)),
+    ([dict(temperature=0.0), dict(temperature=0.7)], (False, False, True, False, False, False)),
+    ([dict(temperature=0.7, top_p=0.9)], (False, True, True, False, False, False)),  # top-p alone skips top-k
+    ([dict(temperature=0.7, top_k=5)], (True, True, True, False, True, True)),  # top-k comes with top-p
+    ([dict(temperature=0.7, top_k=50, top_p=0.9), dict(temperature=0.7)], (True, True, True, False, True, True)),
+    # a top-p row without top-k: its nucleus may lie beyond the top-k candidates
+    ([dict(temperature=0.7, top_k=5), dict(temperature=0.7, top_p=0.5)], (True, True, True, False, True, False)),
+    ([dict(temperature=0.7, top_k=64), dict(temperature=0.7, top_k=65)], (True, True, True, False, False, False)),
+    ([dict(temperature=0.0, logprobs=0)], (False, False, False, True, False, False)),
+    ([dict(temperature=0.0), dict(temperature=0.0, logprobs=3)], (False, False, False, True, False, False)),
+    ([dict(temperature=0.0, min_p=0.5)], (False, False, False, False, False, False)),  # min_p: argmax stays
     # greedy batches with logit_bias, penalties or min_tokens suppression take the general program
-    ([dict(temperature=0.0), dict(temperature=0.0, logit_bias={3: 1.0})], (False, False, True, False, False)),
-    ([dict(temperature=0.0, repetition_penalty=1.1)], (False, False, True, False, False)),
-    ([dict(temperature=0.0, presence_penalty=0.5)], (False, False, True, False, False)),
-    ([dict(temperature=0.0, frequency_penalty=-0.5)], (False, False, True, False, False)),
-    ([dict(temperature=0.0, min_tokens=3, stop_token_ids=[7])], (False, False, True, False, False)),
-    ([dict(temperature=0.0, min_tokens=3, ignore_eos=True)], (False, False, False, False, False)),
+    ([dict(temperature=0.0), dict(temperature=0.0, logit_bias={3: 1.0})], (False, False, True, False, False, False)),
+    ([dict(temperature=0.0, repetition_penalty=1.1)], (False, False, True, False, False, False)),
+    ([dict(temperature=0.0, presence_penalty=0.5)], (False, False, True, False, False, False)),
+    ([dict(temperature=0.0, frequency_penalty=-0.5)], (False, False, True, False, False, False)),
+    ([dict(temperature=0.0, min_tokens=3, stop_token_ids=[7])], (False, False, True, False, False, False)),
+    ([dict(temperature=0.0, min_tokens=3, ignore_eos=True)], (False, False, False, False, False, False)),
 ])
 def test_sampler_switches_follow_the_batch(options, expected):
     rows = [SamplingRow(P(**o), [1, 2], []) for o in options]
@@ -312,7 +355,7 @@ def test_the_greedy_program_samples_like_the_general_one(mode):
     rows = [SamplingRow(p, [1, 2], [3], i) for i, p in enumerate(
         [P(temperature=0), P(temperature=0, min_p=0.9), P(temperature=0, logprobs=3), P(temperature=0, top_k=-1)])]
     t = tensors(rows, S=5)
-    assert tuple(sampler_switches(t, V)) == (False, False, False, True, False)
+    assert tuple(sampler_switches(t, V)) == (False, False, False, True, False, False)
     greedy = jax.jit(functools.partial(sample, filter_k=False, filter_p=False, random=False, logprobs_mode=mode))
     general = jax.jit(functools.partial(sample, filter_k=False, filter_p=False, random=True, logprobs_mode=mode))
     for f, g in zip(greedy(logits, t), general(logits, t)):
