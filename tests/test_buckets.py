@@ -16,8 +16,8 @@ from jengine.buckets import (
 
 
 def test_token_buckets_double_from_16_and_end_at_the_budget():
-    assert default_token_buckets(512) == (16, 32, 64, 128, 256, 512)
-    assert default_token_buckets(600) == (16, 32, 64, 128, 256, 512, 600)
+    assert default_token_buckets(512) == (8, 16, 32, 64, 128, 256, 512)
+    assert default_token_buckets(600) == (8, 16, 32, 64, 128, 256, 512, 600)
     assert default_token_buckets(8) == (8,)
 
 
