@@ -4,6 +4,7 @@ loads what they stored and generates what an engine without them does."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -47,7 +48,8 @@ elif sys.argv[3] == "decoy":  # a working directory holding another `jengine`: t
         f.write("raise ImportError('the decoy jengine was imported')")
     os.chdir(os.path.join(sys.argv[1], "decoy"))
 llm = LLM("jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-          token_buckets=(16, 32, 64), seq_buckets=(2, 4), compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
+          token_buckets=(16, 32, 64), seq_buckets=(2, 4), compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False,
+          num_gpu_blocks_override=64)
 builder = llm.engine.builder
 outs = llm.generate([[1, 2, 3, 4, 5], [7, 8, 9]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                     use_tqdm=False)
@@ -56,9 +58,15 @@ print(json.dumps({"hits": builder.executable_cache_hits, "finished": builder.bui
 """
 
 
+# The children start engines of their own. On a GPU this pytest process may hold most of the device
+# already (an earlier test's engine: jengine sets XLA_PYTHON_CLIENT_MEM_FRACTION=0.92), so they neither
+# preallocate nor size their KV cache from the memory (a fixed 64 pages).
+_CHILD_ENV = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
 def _start(cache_dir, helpers: int, mode: str = "working") -> dict:
     out = subprocess.run([sys.executable, "-P", "-c", _SCRIPT, str(cache_dir), str(helpers), mode], capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600, env=_CHILD_ENV)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -96,7 +104,8 @@ from jengine.engine_config import EngineConfig
 from jengine.engine_core import build_serving_engine
 build_helpers.helper_count = lambda *a: int(sys.argv[2])
 config = EngineConfig(model="jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-                      token_buckets=(16, 32, 64), seq_buckets=(2, 4), compilation_cache_dir=sys.argv[1])
+                      token_buckets=(16, 32, 64), seq_buckets=(2, 4), compilation_cache_dir=sys.argv[1],
+                      num_gpu_blocks_override=64)
 engine, programs = build_serving_engine(config, progress=False)
 print(json.dumps({"hits": engine.builder.executable_cache_hits, "programs": programs}))
 """
@@ -104,7 +113,7 @@ print(json.dumps({"hits": engine.builder.executable_cache_hits, "programs": prog
 
 def test_helpers_also_store_the_servers_embedding_programs(tmp_path):
     out = subprocess.run([sys.executable, "-P", "-c", _SERVE_SCRIPT, str(tmp_path), "2"], capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600, env=_CHILD_ENV)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     # 3 forwards and 4 embedding programs (padded lengths 16-128): warm-up builds one forward (its share,
