@@ -39,9 +39,11 @@ def default_token_buckets(max_num_batched_tokens: int, min_bucket: int = 8,
                           linear_step: int | None = None) -> tuple[int, ...]:
     """Buckets for T, the tokens of one step (8, 16, 32, ... up to max_num_batched_tokens).
 
-    The 8-token bucket is for decodes of up to 8 sequences: on an H200 the 8B model's batch-1 step took
-    4.41 ms in it against 4.52 in a 16-token one (RESULTS.md session 33), its attention launch having
-    half the padding tokens' programs."""
+    The 8-token bucket is for decodes of up to 8 sequences: there attention splits each sequence's keys
+    4 ways rather than 2 (`gpu_mosaic.tuned_config` counts the bucket's tokens), one 64-key block per
+    program at 256 tokens. On an H200 the 8B model's batch-1 attention took 4.9 µs + a 1.4 µs fusion per
+    layer against 8.5 µs in a 16-token bucket, and the step 4.49 ms against 4.52 (means over three
+    machines, RESULTS.md session 33)."""
     return make_buckets(max_num_batched_tokens, min_bucket, linear_step)
 
 
