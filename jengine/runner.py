@@ -26,6 +26,8 @@ from jengine.engine_config import EngineConfig
 from jengine.executable_cache import stores_loaded_executables
 from jengine.models import get_model_family
 from jengine.sampler import (
+    SMALL_TOP_K,
+    WIDE_TOP_K,
     build_sampling_tensors,
     compute_logprobs,
     program_inputs,
@@ -107,26 +109,27 @@ def _forward(params, kv_caches, ints, floats, prev_ids, logits_buffer, hidden_bu
     return kv_caches, family.compute_logits(params, cfg, hidden[inp.logits_indices]), hidden
 
 
-# (filter_k, filter_p, random, top_logprobs, small_k, small_p) a batch can need: the filters only come
+# (filter_k, filter_p, random, top_logprobs, k_bound, small_p) a batch can need: the filters only come
 # with the general (random) program, which greedy batches with logit_bias or penalties also take, and
-# top-k only with top-p, with any k or every k <= SMALL_TOP_K, and then with or without a top-p-only row
-# (`sampler_switches`).
-_FILTERS = ((False, False, False, False, False), (False, False, True, False, False), (False, True, True, False, False),
-            (True, True, True, False, False), (True, True, True, True, False),
-            (True, True, True, True, True))  # (filter_k, filter_p, random, small_k, small_p)
-SAMPLER_VARIANTS = tuple((k, p, r, top, small, small_p) for k, p, r, small, small_p in _FILTERS
+# top-k only with top-p: with any k; every k <= SMALL_TOP_K, with or without a top-p-only row; every k <=
+# WIDE_TOP_K without one (`sampler_switches`).
+_FILTERS = ((False, False, False, 0, False), (False, False, True, 0, False), (False, True, True, 0, False),
+            (True, True, True, 0, False), (True, True, True, SMALL_TOP_K, False),
+            (True, True, True, SMALL_TOP_K, True), (True, True, True, WIDE_TOP_K, True))
+# (filter_k, filter_p, random, k_bound, small_p) above
+SAMPLER_VARIANTS = tuple((k, p, r, top, bound, small_p) for k, p, r, bound, small_p in _FILTERS
                          for top in (False, True))
 
 
 def _sample(logits, ints, floats, ids_buffer, *, layout, filter_k: bool, filter_p: bool, random: bool,
-            top_logprobs: bool, small_k: bool, small_p: bool):
-    """Sampling as its own program per (S, filter_k, filter_p, random, top_logprobs, small_k, small_p): the
+            top_logprobs: bool, k_bound: int, small_p: bool):
+    """Sampling as its own program per (S, filter_k, filter_p, random, top_logprobs, k_bound, small_p): the
     host knows which of top-k and top-p (and which select), the general program (random draws, logit_bias,
     penalties) and top logprobs the batch needs, so no data-dependent branch is needed. Also writes the ids
     into the first rows of the donated `ids_buffer [max_seqs]`, which the next step's forward reads as its
     `prev_ids`."""
     out = sample(logits, unpack(ints, floats, layout), filter_k=filter_k, filter_p=filter_p, random=random,
-                 top_logprobs=top_logprobs, small_k=small_k, small_p=small_p)
+                 top_logprobs=top_logprobs, k_bound=k_bound, small_p=small_p)
     # First: jit gives a donated input to the first output of its shape, and `out.next_ids` has this
     # one's when S is the largest bucket.
     return jax.lax.dynamic_update_slice(ids_buffer, out.next_ids, (0,)), out
@@ -196,7 +199,7 @@ class ModelRunner:
         # kernels (see `stores_loaded_executables`).
         self.sample_jit = jax.jit(functools.partial(_sample), donate_argnums=(3,),
                                   static_argnames=("layout", "filter_k", "filter_p", "random", "top_logprobs",
-                                                   "small_k", "small_p"), **smp)
+                                                   "k_bound", "small_p"), **smp)
         self.prompt_logprobs_jit = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
         self.compiled: dict[tuple, jax.stages.Compiled] = {}  # filled at warm-up (`ProgramBuilder`), in parallel
 
@@ -285,9 +288,9 @@ class ModelRunner:
         if kind == "forward":
             return functools.partial(self._forward, layout=key[0])
         if kind == "sample":
-            layout, filter_k, filter_p, random, top, small_k, small_p = key
+            layout, filter_k, filter_p, random, top, k_bound, small_p = key
             return functools.partial(self.sample_jit, layout=layout, filter_k=filter_k, filter_p=filter_p,
-                                     random=random, top_logprobs=top, small_k=small_k, small_p=small_p)
+                                     random=random, top_logprobs=top, k_bound=k_bound, small_p=small_p)
         return self.prompt_logprobs_jit
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:

@@ -39,11 +39,13 @@ from jengine.selection import kth_largest_key, largest_key, ordered_keys, top_n
 DEFAULT_PENALTY_WINDOW = 1024
 # logit_bias entries plus min_tokens-suppressed stop ids per row.
 DEFAULT_MAX_BIAS_ENTRIES = MAX_LOGIT_BIAS_ENTRIES + 32
-# Batches whose top-k rows all have k <= this find the k-th largest by `kth_largest_key`, from the
-# SMALL_TOP_K chunks of SMALL_TOP_K_CHUNK logits with the largest maxima: on an H200 (V = 128,256) the
-# top-k + top-p filter took 0.304 ms at S=256 with chunks of 64 against 0.368 with 128 (RESULTS.md
-# session 33; 0.111 / 0.071 ms at S=64 / 8 with either).
+# Batches whose top-k rows all have k <= one of these bounds find the k-th largest by `kth_largest_key`,
+# from the `bound` chunks of SMALL_TOP_K_CHUNK logits with the largest maxima, not by the radix select.
+# On an H200 (V = 128,256; RESULTS.md session 33) the top-k + top-p filter at S=256 took 0.304 ms with
+# bound 64 (0.368 with chunks of 128), 0.564 with bound 256 and 1.62 by radix selects; at S=64 0.111 /
+# 0.210 / 0.49. The wider bound serves only batches whose every top-p row has top-k too (`small_p`).
 SMALL_TOP_K = 64
+WIDE_TOP_K = 256
 SMALL_TOP_K_CHUNK = 64
 
 _U32 = 0xFFFFFFFF
@@ -189,8 +191,10 @@ class SamplerSwitches(NamedTuple):
     filter_p: bool
     random: bool
     top_logprobs: bool
-    small_k: bool = False  # with filter_k: every top-k row has k <= SMALL_TOP_K (the cheaper select)
-    # with small_k: every top-p row is also a top-k row, so top-p looks at the SMALL_TOP_K candidates only
+    # with filter_k: SMALL_TOP_K or WIDE_TOP_K, which every top-k row's k is at most (the cheaper
+    # select, from that many candidates); 0: some k is larger (the radix select)
+    k_bound: int = 0
+    # with k_bound: every top-p row is also a top-k row, so top-p looks at the k_bound candidates only
     small_p: bool = False
 
 
@@ -202,21 +206,29 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     `filter_k` (the top-k select runs) comes with `filter_p` (the top-p select runs) where a row uses
     top-k: a top-k-only batch pays the top-p select too (rows with top_p = 1 keep what top-k kept), so
     each S has two filter programs, not three. A top-p-only batch (what OpenAI's API can ask for) skips
-    the top-k select. `small_k`: every top-k row's k is at most SMALL_TOP_K, so the top-k select can
+    the top-k select. `k_bound`: every top-k row's k is at most SMALL_TOP_K, so the top-k select can
     look at the SMALL_TOP_K chunks with the largest maxima only (`kth_largest_key`). `small_p`: also no
     row filters top-p without top-k (HF-style top_k=50 with or without top_p), so every nucleus lies
-    among those SMALL_TOP_K candidates and the top-p select needs no pass of 16 over [S, V]."""
+    among those candidates and the top-p select needs no pass of 16 over [S, V]; such a batch with some
+    k in (SMALL_TOP_K, WIDE_TOP_K] takes WIDE_TOP_K candidates."""
     k = np.asarray(t.top_k)
     top_p = np.asarray(t.top_p)
     filter_k = bool(np.any(k < vocab_size))
-    small_k = filter_k and bool(np.all((k <= SMALL_TOP_K) | (k >= vocab_size)))
-    small_p = small_k and not bool(np.any((k >= vocab_size) & (top_p < 1.0)))
+    largest_k = int(np.max(np.where(k < vocab_size, k, 0), initial=0))
+    small_p = not bool(np.any((k >= vocab_size) & (top_p < 1.0)))
+    if filter_k and largest_k <= SMALL_TOP_K:
+        k_bound = SMALL_TOP_K
+    elif filter_k and largest_k <= WIDE_TOP_K and small_p:
+        k_bound = WIDE_TOP_K
+    else:
+        k_bound = 0
+    small_p = small_p and k_bound > 0
     filter_p = filter_k or bool(np.any(top_p < 1.0))
     adjust = bool(
         np.any(np.asarray(t.bias_ids) < vocab_size) or np.any(np.asarray(t.repetition_penalty) != 1.0)
         or np.any(np.asarray(t.presence_penalty) != 0.0) or np.any(np.asarray(t.frequency_penalty) != 0.0))
     random = filter_p or adjust or not bool(np.all(t.greedy))
-    return SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)), small_k, small_p)
+    return SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)), k_bound, small_p)
 
 
 # The tables only the general (`random`) program reads: at S=256 they are ~2.7 MB a step to pack and copy.
@@ -288,7 +300,7 @@ def _apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
 
 
 def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *, filter_k: bool = True,
-                       filter_p: bool = True, small_k: bool = False, small_p: bool = False) -> jax.Array:
+                       filter_p: bool = True, k_bound: int = 0, small_p: bool = False) -> jax.Array:
     """Mask tokens outside each row's top-k, then outside the top-p nucleus of the survivors.
 
     Exact for every k and p without sorting V: top-k keeps values >= the k-th largest; top-p keeps a
@@ -302,10 +314,10 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
     against 2.09, 0.47 against 0.65 at S=64, with the same masks. Rows with the filters off keep everything.
 
     `filter_k=False` / `filter_p=False` leave out the top-k / top-p select (static: the caller knows that
-    no row uses it); each is 16 passes over [S, V]. `small_k=True` (every row's k <= SMALL_TOP_K or off)
-    finds the k-th largest key from the chunks that can hold it instead (`kth_largest_key`).
-    `small_p=True` (with small_k; every row with top_p < 1 has k <= SMALL_TOP_K) takes the top-p
-    threshold from those SMALL_TOP_K largest logits: a top-k row's survivors past them tie with its k-th
+    no row uses it); each is 16 passes over [S, V]. `k_bound > 0` (every row's k <= k_bound or off) finds
+    the k-th largest key from the chunks that can hold it instead (`kth_largest_key`).
+    `small_p=True` (with k_bound; every row with top_p < 1 has k <= k_bound) takes the top-p threshold
+    from those k_bound largest logits: a top-k row's survivors past them tie with its k-th
     largest, whose mass is the least a survivor has, so a threshold above it sums only candidates' mass,
     and one at it keeps every survivor either way.
     """
@@ -313,15 +325,15 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
     survivors = logits
     if filter_k:
         keys = ordered_keys(logits)  # [S, V]
-        if small_k:
-            tau_k, candidates = kth_largest_key(keys, top_k, SMALL_TOP_K, SMALL_TOP_K_CHUNK)
+        if k_bound:
+            tau_k, candidates = kth_largest_key(keys, top_k, k_bound, SMALL_TOP_K_CHUNK)
         else:
             tau_k = largest_key(lambda c: jnp.sum(keys >= c[..., None], axis=-1) >= top_k, rows)
         survivors = jnp.where(keys >= tau_k[:, None], logits, -jnp.inf)
     if not filter_p:
         return survivors
     mass = jax.nn.softmax(survivors, axis=-1)  # [S, V], 0 outside the top-k
-    if filter_k and small_k and small_p:
+    if filter_k and k_bound and small_p:
         cand = jnp.take_along_axis(mass, candidates, axis=1)  # [S, n], non-increasing
         at_or_above = jnp.sum(jnp.where(cand[:, None, :] >= cand[:, :, None], cand[:, None, :], 0.0), axis=-1)
         reach = at_or_above >= top_p[:, None]  # non-decreasing along the row: the first is the threshold
@@ -336,7 +348,7 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
 
 
 def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = True, filter_p: bool = True,
-                   small_k: bool = False, small_p: bool = False, adjust: bool = True,
+                   k_bound: int = 0, small_p: bool = False, adjust: bool = True,
                    temper: bool = True) -> jax.Array:
     """logits [S, V] -> the distribution each row samples from [S, V] (masked tokens are -inf).
 
@@ -353,7 +365,7 @@ def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = Tr
         logits = _apply_penalties(_apply_logit_bias(logits, t), t)
     if temper:
         logits = _apply_min_p(logits / jnp.where(t.greedy, 1.0, t.temperature)[:, None], t.min_p)
-    return _apply_top_k_top_p(logits, t.top_k, t.top_p, filter_k=filter_k, filter_p=filter_p, small_k=small_k,
+    return _apply_top_k_top_p(logits, t.top_k, t.top_p, filter_k=filter_k, filter_p=filter_p, k_bound=k_bound,
                               small_p=small_p)
 
 
@@ -403,7 +415,7 @@ def sample(
     filter_p: bool = True,
     random: bool = True,
     top_logprobs: bool = True,
-    small_k: bool = False,
+    k_bound: int = 0,
     small_p: bool = False,
     logprobs_mode: str = "raw_logprobs",
 ) -> SamplerOutput:
@@ -411,10 +423,10 @@ def sample(
     arguments static; the tensors' values never cause a recompilation. The host, which knows the
     batch, switches off what no row needs: `filter_k=False` when no row uses top-k, `filter_p=False` when
     none uses top-p (each skips a radix select, 16 passes of masked reductions over [S, V];
-    `sampler_switches` keeps `filter_p` on with `filter_k`; `small_k=True` when every top-k row has k <=
-    SMALL_TOP_K: the k-th largest from the chunks that can hold it, 0.23 ms at S=256 on an H200 against
-    0.64; `small_p=True` when, besides, no row uses top-p without top-k: the top-p threshold from those
-    SMALL_TOP_K candidates, no radix select at all), `random=False` when every row is
+    `sampler_switches` keeps `filter_p` on with `filter_k`; `k_bound=SMALL_TOP_K` when every top-k row has
+    k <= SMALL_TOP_K: the k-th largest from the chunks that can hold it, 0.23 ms at S=256 on an H200
+    against 0.64; `small_p=True` when, besides, no row uses top-p without top-k: the top-p threshold from
+    those candidates, no radix select at all, and then also with `k_bound=WIDE_TOP_K`), `random=False` when every row is
     greedy and no row has a logit_bias entry or a penalty (no categorical draw, and no scatters into a
     copy of the logits, no temperature or min_p pass: an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-20 over [S, V]: 0.11 ms at S=256 on an
@@ -423,7 +435,7 @@ def sample(
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
     assert logits.shape[0] == t.temperature.shape[0], (logits.shape, t.temperature.shape)
-    processed = process_logits(logits, t, filter_k=filter_k, filter_p=filter_p, small_k=small_k, small_p=small_p,
+    processed = process_logits(logits, t, filter_k=filter_k, filter_p=filter_p, k_bound=k_bound, small_p=small_p,
                                adjust=random,
                                temper=random or logprobs_mode == "processed_logprobs")  # [S, V]
     next_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [S]

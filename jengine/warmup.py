@@ -177,7 +177,7 @@ class ProgramBuilder:
                     args = (logits, s_ints, s_floats, runner.prev_ids)
                     trace = functools.partial(runner.sample_jit.trace, *args, layout=s_layout, filter_k=variant[0],
                                               filter_p=variant[1], random=variant[2], top_logprobs=variant[3],
-                                              small_k=variant[4], small_p=variant[5])
+                                              k_bound=variant[4], small_p=variant[5])
                     yield ("sample", s_layout, *variant), self._key("sample", args, (s_layout, *variant)), trace, None
 
         def prompt_logprobs():

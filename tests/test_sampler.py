@@ -21,7 +21,7 @@ from jengine.selection import TOP_N_CHUNK, kth_largest_key, largest_key, ordered
 V = 16
 
 _sample = jax.jit(sample, static_argnames=("filter_k", "filter_p", "logprobs_mode"))
-_process = jax.jit(process_logits, static_argnames=("filter_k", "filter_p", "small_k", "small_p"))
+_process = jax.jit(process_logits, static_argnames=("filter_k", "filter_p", "k_bound", "small_p"))
 
 
 def tensors(rows, S=None, **kw):
@@ -79,7 +79,8 @@ PROBS = [0.5, 0.25, 0.15, 0.1]
     ],
 )
 # the radix selects, the k <= 64 one (V < 64 here), and that with top-p among its candidates
-@pytest.mark.parametrize("small", [dict(), dict(small_k=True), dict(small_k=True, small_p=True)])
+@pytest.mark.parametrize("small", [dict(), dict(k_bound=64), dict(k_bound=64, small_p=True),
+                                   dict(k_bound=256, small_p=True)])
 def test_filter_masks_exact_on_small_logits(params, expected, small):
     logits = np.stack([row_logits(PROBS)] * 2)
     t = tensors([P(**params), P()])
@@ -128,8 +129,9 @@ def test_the_top_p_only_program_filters_like_the_full_one_where_no_row_uses_top_
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_finite"])
 def test_the_small_k_select_keeps_what_the_radix_select_keeps(kind):
-    """`small_k` (every row's k <= SMALL_TOP_K) finds the k-th largest key from the chunks that can hold
-    it: the same masks as the 16-pass radix select, on ties and -inf too, with and without the chunks."""
+    """`k_bound=SMALL_TOP_K` (every row's k <= SMALL_TOP_K) finds the k-th largest key from the chunks that
+    can hold it: the same masks as the 16-pass radix select, on ties and -inf too, with and without the
+    chunks."""
     from jengine.sampler import SMALL_TOP_K, _apply_top_k_top_p
 
     rng = np.random.default_rng(6)
@@ -148,44 +150,45 @@ def test_the_small_k_select_keeps_what_the_radix_select_keeps(kind):
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(jax.lax.top_k(jnp.asarray(logits), SMALL_TOP_K)[1]))
     top_p = np.array([1.0, 0.9, 0.5, 1.0, 0.8, 1.0], np.float32)
     full = _apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p))
-    small = _apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p), small_k=True)
+    small = _apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p), k_bound=SMALL_TOP_K)
     np.testing.assert_array_equal(np.asarray(small), np.asarray(full))
 
 
+@pytest.mark.parametrize("bound", [64, 256])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_finite", "peaked"])
-def test_top_p_among_the_top_k_candidates_keeps_what_the_radix_select_keeps(kind):
-    """`small_p` (every top-p row also has k <= SMALL_TOP_K) takes the top-p threshold from the
-    SMALL_TOP_K largest logits: the same masks as the two radix selects, on ties (the k-th largest tied
-    past the candidates), rows with few finite logits, rows whose nucleus is one token or all of the
-    top-k, and rows with neither filter."""
-    from jengine.sampler import SMALL_TOP_K, _apply_top_k_top_p
+def test_top_p_among_the_top_k_candidates_keeps_what_the_radix_select_keeps(kind, bound):
+    """`small_p` (every top-p row also has k <= the bound) takes the top-p threshold from the `bound`
+    largest logits: the same masks as the two radix selects, on ties (the k-th largest tied past the
+    candidates), rows with few finite logits, rows whose nucleus is one token or all of the top-k, and
+    rows with neither filter; with the pre-selection of chunks (V / 64 chunks >= 2 x bound)."""
+    from jengine.sampler import _apply_top_k_top_p
 
     rng = np.random.default_rng(7)
-    rows = 12
-    logits = rng.standard_normal((rows, 9000)).astype(np.float32) * rng.uniform(0.3, 4.0, (rows, 1))
-    if kind == "ties":  # many tokens share each value: tie groups straddle the 64th largest
+    rows, vocab = 12, 9000 if bound == 64 else 40000
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * rng.uniform(0.3, 4.0, (rows, 1))
+    if kind == "ties":  # many tokens share each value: tie groups straddle the bound-th largest
         logits = np.round(logits * 1.5) / 1.5
     if kind == "few_finite":
         logits[:, 40:] = -np.inf
     if kind == "peaked":
         logits[:, 5] += 12.0
-    top_k = np.array([1, 7, 50, SMALL_TOP_K, 9000, 3, 20, 64, 40, 9000, 2, 33], np.int32)  # 9000 = V: off
+    top_k = np.array([1, 7, 50, bound, vocab, 3, bound // 3, bound, bound // 2, vocab, 2, bound - 31], np.int32)
     top_p = np.array([0.9, 0.9, 0.5, 0.95, 1.0, 1.0, 0.3, 0.99, 0.7, 1.0, 0.6, 0.05], np.float32)
-    t = build_sampling_tensors([SamplingRow(P(top_k=int(k) if k < 9000 else -1, top_p=float(p), temperature=0.7),
-                                            [], []) for k, p in zip(top_k, top_p)], rows, 9000, penalty_window=8,
+    t = build_sampling_tensors([SamplingRow(P(top_k=int(k) if k < vocab else -1, top_p=float(p), temperature=0.7),
+                                            [], []) for k, p in zip(top_k, top_p)], rows, vocab, penalty_window=8,
                                max_bias_entries=8)
-    assert tuple(sampler_switches(t, 9000))[4:] == (True, True)
+    assert tuple(sampler_switches(t, vocab))[4:] == (bound, True)
     np.testing.assert_array_equal(np.asarray(t.top_k), top_k)
     args = (jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p))
     full = np.asarray(_apply_top_k_top_p(*args))
-    small = np.asarray(_apply_top_k_top_p(*args, small_k=True, small_p=True))
+    small = np.asarray(_apply_top_k_top_p(*args, k_bound=bound, small_p=True))
     np.testing.assert_array_equal(np.isfinite(small), np.isfinite(full))
     np.testing.assert_array_equal(small, full)
     kept_counts = np.isfinite(full).sum(axis=1)
     assert kept_counts.min() == 1  # a one-token nucleus
-    assert kept_counts.max() == (40 if kind == "few_finite" else 9000)  # a row with neither filter keeps all
-    if kind == "ties":  # the k = 64 row with p = 0.99 keeps its k-th largest's tie group, past the candidates
-        assert kept_counts[7] > SMALL_TOP_K
+    assert kept_counts.max() == (40 if kind == "few_finite" else vocab)  # a row with neither filter keeps all
+    if kind == "ties":  # the k = bound row with p = 0.99 keeps its k-th largest's tie group, past the candidates
+        assert kept_counts[7] > bound
 
 
 def test_penalties_exact():
@@ -320,29 +323,38 @@ def test_one_compilation_serves_every_option_mix():
 
 
 @pytest.mark.parametrize("options, expected", [
-    ([dict(temperature=0.0)], (False, False, False, False, False, False)),
-    ([dict(temperature=0.0), dict(temperature=0.7)], (False, False, True, False, False, False)),
-    ([dict(temperature=0.7, top_p=0.9)], (False, True, True, False, False, False)),  # top-p alone skips top-k
-    ([dict(temperature=0.7, top_k=5)], (True, True, True, False, True, True)),  # top-k comes with top-p
-    ([dict(temperature=0.7, top_k=50, top_p=0.9), dict(temperature=0.7)], (True, True, True, False, True, True)),
+    ([dict(temperature=0.0)], (False, False, False, False, 0, False)),
+    ([dict(temperature=0.0), dict(temperature=0.7)], (False, False, True, False, 0, False)),
+    ([dict(temperature=0.7, top_p=0.9)], (False, True, True, False, 0, False)),  # top-p alone skips top-k
+    ([dict(temperature=0.7, top_k=5)], (True, True, True, False, 64, True)),  # top-k comes with top-p
+    ([dict(temperature=0.7, top_k=50, top_p=0.9), dict(temperature=0.7)], (True, True, True, False, 64, True)),
     # a top-p row without top-k: its nucleus may lie beyond the top-k candidates
-    ([dict(temperature=0.7, top_k=5), dict(temperature=0.7, top_p=0.5)], (True, True, True, False, True, False)),
-    ([dict(temperature=0.7, top_k=64), dict(temperature=0.7, top_k=65)], (True, True, True, False, False, False)),
-    ([dict(temperature=0.0, logprobs=0)], (False, False, False, True, False, False)),
-    ([dict(temperature=0.0), dict(temperature=0.0, logprobs=3)], (False, False, False, True, False, False)),
-    ([dict(temperature=0.0, min_p=0.5)], (False, False, False, False, False, False)),  # min_p: argmax stays
+    ([dict(temperature=0.7, top_k=5), dict(temperature=0.7, top_p=0.5)], (True, True, True, False, 64, False)),
+    # 64 < k <= 256: the wide bound, only without top-p-only rows
+    ([dict(temperature=0.7, top_k=64), dict(temperature=0.7, top_k=65)], (True, True, True, False, 256, True)),
+    ([dict(temperature=0.7, top_k=65), dict(temperature=0.7, top_p=0.5)], (True, True, True, False, 0, False)),
+    ([dict(temperature=0.0, logprobs=0)], (False, False, False, True, 0, False)),
+    ([dict(temperature=0.0), dict(temperature=0.0, logprobs=3)], (False, False, False, True, 0, False)),
+    ([dict(temperature=0.0, min_p=0.5)], (False, False, False, False, 0, False)),  # min_p: argmax stays
     # greedy batches with logit_bias, penalties or min_tokens suppression take the general program
-    ([dict(temperature=0.0), dict(temperature=0.0, logit_bias={3: 1.0})], (False, False, True, False, False, False)),
-    ([dict(temperature=0.0, repetition_penalty=1.1)], (False, False, True, False, False, False)),
-    ([dict(temperature=0.0, presence_penalty=0.5)], (False, False, True, False, False, False)),
-    ([dict(temperature=0.0, frequency_penalty=-0.5)], (False, False, True, False, False, False)),
-    ([dict(temperature=0.0, min_tokens=3, stop_token_ids=[7])], (False, False, True, False, False, False)),
-    ([dict(temperature=0.0, min_tokens=3, ignore_eos=True)], (False, False, False, False, False, False)),
+    ([dict(temperature=0.0), dict(temperature=0.0, logit_bias={3: 1.0})], (False, False, True, False, 0, False)),
+    ([dict(temperature=0.0, repetition_penalty=1.1)], (False, False, True, False, 0, False)),
+    ([dict(temperature=0.0, presence_penalty=0.5)], (False, False, True, False, 0, False)),
+    ([dict(temperature=0.0, frequency_penalty=-0.5)], (False, False, True, False, 0, False)),
+    ([dict(temperature=0.0, min_tokens=3, stop_token_ids=[7])], (False, False, True, False, 0, False)),
+    ([dict(temperature=0.0, min_tokens=3, ignore_eos=True)], (False, False, False, False, 0, False)),
 ])
 def test_sampler_switches_follow_the_batch(options, expected):
     rows = [SamplingRow(P(**o), [1, 2], []) for o in options]
     t = build_sampling_tensors(rows, 8, 100)
     assert tuple(sampler_switches(t, 100)) == expected
+
+
+def test_a_k_past_the_wide_bound_takes_the_radix_select():
+    rows = [SamplingRow(P(temperature=0.7, top_k=k), [], []) for k in (5, 257)]
+    assert sampler_switches(build_sampling_tensors(rows, 8, 1000), 1000)[4:] == (0, False)
+    rows = [SamplingRow(P(temperature=0.7, top_k=k), [], []) for k in (5, 256)]
+    assert sampler_switches(build_sampling_tensors(rows, 8, 1000), 1000)[4:] == (256, True)
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
@@ -355,7 +367,7 @@ def test_the_greedy_program_samples_like_the_general_one(mode):
     rows = [SamplingRow(p, [1, 2], [3], i) for i, p in enumerate(
         [P(temperature=0), P(temperature=0, min_p=0.9), P(temperature=0, logprobs=3), P(temperature=0, top_k=-1)])]
     t = tensors(rows, S=5)
-    assert tuple(sampler_switches(t, V)) == (False, False, False, True, False, False)
+    assert tuple(sampler_switches(t, V)) == (False, False, False, True, 0, False)
     greedy = jax.jit(functools.partial(sample, filter_k=False, filter_p=False, random=False, logprobs_mode=mode))
     general = jax.jit(functools.partial(sample, filter_k=False, filter_p=False, random=True, logprobs_mode=mode))
     for f, g in zip(greedy(logits, t), general(logits, t)):
