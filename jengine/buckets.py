@@ -42,7 +42,7 @@ def default_token_buckets(max_num_batched_tokens: int, min_bucket: int = 8,
     The 8-token bucket is for decodes of up to 8 sequences: there attention splits each sequence's keys
     4 ways rather than 2 (`gpu_mosaic.tuned_config` counts the bucket's tokens), one 64-key block per
     program at 256 tokens. On an H200 the 8B model's batch-1 attention took 4.9 µs + a 1.4 µs fusion per
-    layer against 8.5 µs in a 16-token bucket, and the step 4.49 ms against 4.52 (means over three
+    layer against 8.5 µs in a 16-token bucket, and the step 4.47 ms against 4.51 (means over three
     machines, RESULTS.md session 33)."""
     return make_buckets(max_num_batched_tokens, min_bucket, linear_step)
 
