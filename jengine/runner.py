@@ -28,6 +28,7 @@ from jengine.models import get_model_family
 from jengine.sampler import (
     SMALL_TOP_K,
     WIDE_TOP_K,
+    SamplerSwitches,
     build_sampling_tensors,
     compute_logprobs,
     program_inputs,
@@ -117,7 +118,7 @@ _FILTERS = ((False, False, False, 0, False), (False, False, True, 0, False), (Fa
             (True, True, True, 0, False), (True, True, True, SMALL_TOP_K, False),
             (True, True, True, SMALL_TOP_K, True), (True, True, True, WIDE_TOP_K, True))
 # (filter_k, filter_p, random, k_bound, small_p) above
-SAMPLER_VARIANTS = tuple((k, p, r, top, bound, small_p) for k, p, r, bound, small_p in _FILTERS
+SAMPLER_VARIANTS = tuple(SamplerSwitches(k, p, r, top, bound, small_p) for k, p, r, bound, small_p in _FILTERS
                          for top in (False, True))
 
 
@@ -198,8 +199,7 @@ class ModelRunner:
         # be one JAX loaded from its persistent cache, and ExecutableCache would store it without its
         # kernels (see `stores_loaded_executables`).
         self.sample_jit = jax.jit(functools.partial(_sample), donate_argnums=(3,),
-                                  static_argnames=("layout", "filter_k", "filter_p", "random", "top_logprobs",
-                                                   "k_bound", "small_p"), **smp)
+                                  static_argnames=("layout", *SamplerSwitches._fields), **smp)
         self.prompt_logprobs_jit = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
         self.compiled: dict[tuple, jax.stages.Compiled] = {}  # filled at warm-up (`ProgramBuilder`), in parallel
 
@@ -288,9 +288,8 @@ class ModelRunner:
         if kind == "forward":
             return functools.partial(self._forward, layout=key[0])
         if kind == "sample":
-            layout, filter_k, filter_p, random, top, k_bound, small_p = key
-            return functools.partial(self.sample_jit, layout=layout, filter_k=filter_k, filter_p=filter_p,
-                                     random=random, top_logprobs=top, k_bound=k_bound, small_p=small_p)
+            layout, *switches = key
+            return functools.partial(self.sample_jit, layout=layout, **SamplerSwitches(*switches)._asdict())
         return self.prompt_logprobs_jit
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:

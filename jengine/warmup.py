@@ -175,9 +175,7 @@ class ProgramBuilder:
                 for variant in SAMPLER_VARIANTS:
                     s_ints, s_floats, s_layout = self._dummy_sampling(s, variant)
                     args = (logits, s_ints, s_floats, runner.prev_ids)
-                    trace = functools.partial(runner.sample_jit.trace, *args, layout=s_layout, filter_k=variant[0],
-                                              filter_p=variant[1], random=variant[2], top_logprobs=variant[3],
-                                              k_bound=variant[4], small_p=variant[5])
+                    trace = functools.partial(runner.sample_jit.trace, *args, layout=s_layout, **variant._asdict())
                     yield ("sample", s_layout, *variant), self._key("sample", args, (s_layout, *variant)), trace, None
 
         def prompt_logprobs():
@@ -225,10 +223,10 @@ class ProgramBuilder:
         """Whether warm-up loads a second copy of this bucket's forward (decode-sized buckets on GPUs)."""
         return self.runner.graphs and bucket[0] <= self.runner.max_seqs
 
-    def _dummy_sampling(self, num_seqs: int, variant: tuple[bool, ...]):
+    def _dummy_sampling(self, num_seqs: int, variant: SamplerSwitches):
         """Packed sampling inputs `(ints, floats, layout)` of a padding-only batch for a sampler variant."""
         tensors = build_sampling_tensors([], num_seqs, self.runner.cfg.vocab_size)
-        return pack(program_inputs(tensors, SamplerSwitches(*variant)))
+        return pack(program_inputs(tensors, variant))
 
     def _run_every_program(self, buckets: list[tuple[int, int]]) -> None:
         """Run every program of `buckets` once, on padding-only inputs (which read and write no page):
