@@ -426,3 +426,10 @@ def test_kernels_make_batch_page_orders():
     with pytest.raises(ValueError, match="page_order"):
         kernels.make_batch(kernels.jax.random.key(0), [1], [40], page_size=16, dtype=kernels.jnp.bfloat16,
                            page_order="sorted")
+
+
+def test_sampler_filter_times_every_select_and_checks_them_against_the_radix_one(tmp_path):
+    data = _run("sampler_filter", ["--batch-sizes", "3", "--vocab", "3000", "--calls", "2"], tmp_path)
+    assert len(data["results"]) == 5 and all(row["same_as_radix"] for row in data["results"])
+    with pytest.raises(SystemExit):
+        _run("sampler_filter", ["--top-p", "1.5"], tmp_path)
