@@ -35,6 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="devices to split the model over (must divide the device count and the query heads)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="engine replicas, each on its own --tensor-parallel-size devices")
+    parser.add_argument("--generation-config", default=EngineConfig.generation_config,
+                        help="where EOS ids and default sampling parameters come from: 'auto' (the model "
+                             "directory's generation_config.json, if any), 'vllm' (none: jengine's defaults) "
+                             "or a directory holding a generation_config.json")
 
 
 def add_multihost_args(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                 preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
-                data_parallel_size=args.data_parallel_size,
+                data_parallel_size=args.data_parallel_size, generation_config=args.generation_config,
                 compilation_cache_dir=None if args.compilation_cache_dir.lower() in ("", "none")
                 else args.compilation_cache_dir)
 

@@ -33,6 +33,7 @@ class DataParallelEngine:
                          for i in range(dp)]
         first = self.replicas[0]
         self.config, self.model_config, self.tokenizer = first.config, first.model_config, first.tokenizer
+        self.sampling_defaults = first.sampling_defaults
         self.num_compiled_buckets = first.num_compiled_buckets
         self.kv_cache_tokens = sum(r.kv_cache_tokens for r in self.replicas)
         self.startup_seconds = time.perf_counter() - t0

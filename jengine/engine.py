@@ -22,6 +22,7 @@ from jengine.detokenizer import IncrementalDetokenizer
 from jengine.engine_config import EngineConfig
 from jengine.executable_cache import ExecutableCache, enable_jax_cache
 from jengine.generate import padded_lengths
+from jengine.generation_config import load_generation_config
 from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
 from jengine.logprobs import FlatLogprobs, append_positions, for_output
@@ -130,14 +131,25 @@ class LLMEngine:
         config.check_tensor_parallel(None, jax.device_count())
         mesh = make_mesh(tp, devices)
         phases = _Phases(t0)
-        self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                                               seed=config.seed, mesh=mesh)
+        # read before the weights load, so that a bad file fails at once
+        generation = load_generation_config(config.generation_config, config.model)
+        checkpoint_cfg, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
+                                            seed=config.seed, mesh=mesh)
+        # The generation config's EOS ids end requests too (scheduler, sampler, beam search, the server's
+        # checks); the compiled programs never read them, so they are built from (and cached under) the
+        # checkpoint's config alone.
+        self.model_config = generation.with_eos_of(checkpoint_cfg)
+        # Defaults of the sampling fields a request leaves unset (`LLM.get_default_sampling_params`, the server)
+        self.sampling_defaults = generation.sampling_defaults
+        if generation.path is not None:
+            logger.info("generation config %s: EOS ids %s, sampling defaults %s (generation_config='vllm' ignores "
+                        "it)", generation.path, list(self.model_config.eos_token_ids), self.sampling_defaults)
         self.config = config.resolve(self.model_config, jax.default_backend(), jax.device_count())
         cfg, ecfg = self.model_config, self.config
         phases.mark("weights")
         self.tokenizer = load_tokenizer(ecfg.model)
         phases.mark("tokenizer")
-        device_cfg = sharded_model_config(cfg, tp)  # KV heads replicated when tp exceeds them
+        device_cfg = sharded_model_config(checkpoint_cfg, tp)  # KV heads replicated when tp exceeds them
         log_memory(f"weights per device (tensor_parallel_size={tp})", params)
         device = None if mesh is None else next(
             (d for d in mesh.devices.flat if d.process_index == jax.process_index()), None)

@@ -49,12 +49,16 @@ class EngineConfig:
     seq_buckets: tuple[int, ...] | None = None
     tensor_parallel_size: int = 1  # devices one model is split over (heads, MLP columns, vocabulary)
     data_parallel_size: int = 1  # independent engine replicas, each on its own tensor_parallel_size devices
+    # vLLM's --generation-config: "auto" takes EOS ids and sampling defaults from the model directory's
+    # generation_config.json (when there is one), "vllm" ignores it, a directory path reads the one there.
+    generation_config: str = "auto"
 
     def __post_init__(self):
         for field in dataclasses.fields(self):  # numpy scalars as the Python values they hold
             object.__setattr__(self, field.name, plain_scalar(getattr(self, field.name)))
-        if isinstance(self.model, os.PathLike):
-            object.__setattr__(self, "model", os.fspath(self.model))
+        for name in ("model", "generation_config"):
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a preset name or a checkpoint directory, got {self.model!r}")
 
@@ -77,6 +81,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding generation_config.json, "
+                             f"got {self.generation_config!r}")
         if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
             raise ValueError(f"compilation_cache_dir must be a path or None, got {self.compilation_cache_dir!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -121,6 +121,7 @@ def _child_main(config, commands, events, progress: bool, with_stats: bool, log_
             devices = pin_replica(*replica)
         engine, programs = build_serving_engine(config, progress, devices)
         events.send(("ready", {"config": engine.config, "model_config": engine.model_config,
+                               "sampling_defaults": engine.sampling_defaults,
                                "num_compiled_buckets": engine.num_compiled_buckets,
                                "startup_seconds": engine.startup_seconds, "kv_cache_tokens": engine.kv_cache_tokens,
                                "embedding_programs": programs}))

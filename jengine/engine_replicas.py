@@ -98,6 +98,7 @@ class EngineProcesses:
         self.replicas: list[EngineProcess] = started
         first = started[0]
         self.config, self.model_config = first.config, first.model_config
+        self.sampling_defaults = first.sampling_defaults
         self.num_compiled_buckets, self.embedding_programs = first.num_compiled_buckets, first.embedding_programs
         self.kv_cache_tokens = sum(r.kv_cache_tokens for r in started)
         self.startup_seconds = time.perf_counter() - t0

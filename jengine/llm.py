@@ -44,6 +44,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no sampling params: jengine's defaults, with the fields
+        the model's generation_config.json sets (EngineConfig.generation_config) taken from it."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list (text, token-id lists, or prompt dicts); outputs in input order."""
@@ -59,7 +64,7 @@ class LLM:
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]

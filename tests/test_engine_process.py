@@ -300,6 +300,7 @@ def test_data_parallel_replicas_run_in_processes_of_their_own(monkeypatch, local
     try:
         assert len({r._process.pid for r in engine.replicas}) == 2
         assert engine.kv_cache_tokens == 2 * local.kv_cache_tokens
+        assert engine.model_config == local.model_config and engine.sampling_defaults == local.sampling_defaults == {}
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
         prompts = [[1, 2, 3], [5, 4], [7, 7, 7, 7], [9], [3, 1, 4, 1, 5]]
         served = [outs[-1].outputs[0].token_ids for outs in _run_all(llm, params, prompts)]

@@ -95,6 +95,7 @@ class OpenAIServing:
         self.llm, self.model_name, self.tokenizer = llm, model_name, tokenizer
         self.engine_config = llm.engine.config
         self.model_config = llm.engine.model_config
+        self.sampling_defaults = llm.engine.sampling_defaults  # from the model's generation config
         self._token_strs: dict[int, str] = {}
 
     # ------------------------------------------------------------------ shared
@@ -107,7 +108,7 @@ class OpenAIServing:
         """The request's sampling params. A response that is not streamed reads only the finished output,
         so the engine is asked for that one alone; a streamed one gets what is new each step (`_accumulate`).
         Logprobs come flat: the positions' dicts are built only while a response is written, and dropped."""
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.sampling_defaults)
         check_fits_engine(params, self.model_config.vocab_size, self.model_config.eos_token_ids,
                           self.engine_config.max_num_seqs)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY

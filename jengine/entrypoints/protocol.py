@@ -85,16 +85,23 @@ class _Sampling(_Body):
     # so that a client asking for JSON gets an error instead of unconstrained text.
     response_format: ResponseFormat | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """`defaults` (the model's generation config, by SamplingParams field) fill the sampling fields and
+        `max_tokens` the request leaves unset (None); what is still unset keeps SamplingParams' default."""
         if self.response_format is not None and self.response_format.type != "text":
             raise ValueError(f"response_format {self.response_format.type!r} is not supported (no guided "
                              "decoding); only 'text'")
+        defaults = defaults or {}
         kw = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
+            value = defaults.get(name) if value is None else value
             if value is not None:
                 kw[name] = value
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
@@ -117,14 +124,16 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list[str | list[int]]:
         return _as_prompt_list(self.prompt, "prompt")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        """`defaults`: as `sampling_params` takes them (max_tokens only where a request sends null; OpenAI's
+        default of 16 is a value)."""
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must equal n when given)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {self.logprobs}")
-        params = self.sampling_params(self.max_tokens, self.logprobs)
+        params = self.sampling_params(self.max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None:  # echoed prompt tokens carry their logprobs too
             params = params.clone(prompt_logprobs=self.logprobs)
         return params
@@ -163,7 +172,9 @@ class ChatCompletionRequest(_Sampling):
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        """`defaults`: as `sampling_params` takes them (max_tokens where the request gives neither
+        max_tokens nor max_completion_tokens)."""
         if self.tools and self.tool_choice != "none":
             raise ValueError("tools are not supported (no tool-call parser); send tool_choice 'none' or no tools")
         if self.tool_choice not in (None, "none"):
@@ -175,7 +186,7 @@ class ChatCompletionRequest(_Sampling):
                 raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, defaults)
 
 
 class TokenizeRequest(_Body):
