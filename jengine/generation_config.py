@@ -26,6 +26,9 @@ MODES = ("auto", "vllm")  # anything else names a directory
 # The file's sampling keys vLLM uses as defaults, each with the SamplingParams field it sets.
 SAMPLING_FIELDS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
                    "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+# transformers' own defaults of those keys: vLLM reads the file through `GenerationConfig.to_diff_dict()`,
+# which drops a value equal to its default, so e.g. a written `"top_k": 50` sets no top-k there, nor here.
+TRANSFORMERS_DEFAULTS = {"repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +79,9 @@ def read_generation_config(path: str) -> GenerationConfig:
         raise ValueError(f"{path}: eos_token_id must be a token id (an int >= 0) or a list of them, got {eos!r}")
     defaults = {}
     for key, field in SAMPLING_FIELDS.items():
-        if raw.get(key) is None:  # absent or null: not set, as in vLLM
-            continue
+        if raw.get(key) is None or (key in TRANSFORMERS_DEFAULTS and raw[key] == TRANSFORMERS_DEFAULTS[key]
+                                    and not isinstance(raw[key], bool)):
+            continue  # absent, null, or transformers' default: not set, as in vLLM
         try:
             SamplingParams(**{field: raw[key]})  # SamplingParams' own checks, one field at a time
         except ValueError as e:

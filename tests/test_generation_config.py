@@ -83,6 +83,14 @@ def test_reads_the_eos_ids_and_vllms_sampling_fields_and_ignores_every_other_key
                            "max_tokens": 256})
 
 
+def test_values_equal_to_transformers_defaults_set_nothing_as_in_vllm(tmp_path):
+    """vLLM reads the file through transformers' `to_diff_dict`: a written `top_k: 50` (transformers'
+    default) must not switch top-k on."""
+    path = os.path.join(_write(tmp_path, {"top_k": 50, "temperature": 1.0, "top_p": 1, "repetition_penalty": 1.0,
+                                          "min_p": 0.0, "max_new_tokens": 20}), "generation_config.json")
+    assert read_generation_config(path).sampling_defaults == {"min_p": 0.0, "max_tokens": 20}
+
+
 def test_a_single_eos_id_and_null_fields(tmp_path):
     path = os.path.join(_write(tmp_path, {"eos_token_id": 7, "temperature": None, "max_new_tokens": None}),
                         "generation_config.json")
