@@ -111,6 +111,22 @@ def test_mosaic_kernel_lowers_for_groups_of_eight():
     assert "mosaic_gpu" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_mixed_launch_with_an_8bit_cache_reads_q_once_converted_to_f16():
+    """The query blocks take the transposed items' f16 Q (no second, bf16 copy of Q for the launch), so XLA
+    converts Q in the fusion that makes it; the result stays in Q's dtype."""
+    import jax
+
+    args = make_case(5, [1, 1, 6], [40, 130, 6], group=4, head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                     kv_dtype=jnp.float8_e4m3fn)
+    config = gpu_mosaic.MosaicConfig(64, 2, 1, transposed=True)
+    kernel = jax.jit(lambda *a: gpu_mosaic.ragged_attention_mosaic(*a, sm_scale=0.1, config=config))
+    text = kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    (call,) = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    operands, result = call.rsplit("->", 1)
+    assert operands.count("x128xf16>") == 2 and "bf16" not in operands.rsplit(":", 1)[-1]
+    assert result.strip().endswith("x128xbf16>")
+
+
 @pytest.mark.parametrize("group,head_dim,kv_dtype,block_q", [
     (8, 64, None, 1), (12, 128, None, 1), (16, 256, None, 1), (8, 128, jnp.float8_e5m2, 1),
     (12, 128, jnp.float8_e4m3fn, None), (4, 256, None, None)])

@@ -277,14 +277,18 @@ def _upcast(ref):
 def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_seq, splits, block_q, block_kv,
             num_stages, page_size, sm_scale, soft_cap, window):
     """One warpgroup per program: it issues the copies and computes. With an 8-bit cache it converts
-    each block to f16 in two more shared-memory tiles and refills the slot at once."""
+    each block to f16 in two more shared-memory tiles and refills the slot at once. Q may come in f16
+    already (the mixed launch's, shared with its transposed items) while the result is in o_ref's dtype:
+    then Q's buffer is a union of the two."""
     refs = list(refs)
     convert = kv_ref.dtype != q_ref.dtype
     kc_smem, vc_smem = (refs.pop(-3), refs.pop(-3)) if convert else (None, None)
     if splits == 1:
-        o_ref, q_smem, k_smem, v_smem, q_bar, kv_bars = refs
+        o_ref, q_buf, k_smem, v_smem, q_bar, kv_bars = refs
     else:
-        o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, kv_bars = refs
+        o_ref, lse_ref, q_buf, k_smem, v_smem, o_smem, lse_smem, q_bar, kv_bars = refs
+    # Q in, the result out: one buffer, or a union of two dtypes (`_block_scratch`)
+    q_smem, r_smem = q_buf if splits == 1 and q_ref.dtype != o_ref.dtype else (q_buf, q_buf)
     h = lax.axis_index("head")
     split = lax.axis_index("split")
     it = _Item(meta_ref, lax.axis_index("item"), split, num_items=num_items,
@@ -307,7 +311,7 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
         plgpu.barrier_wait(q_bar)
         q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)  # rows past the group: never stored
         mm_dtype = jnp.float16 if convert else dtype
-        if convert:  # saturated to f16's range
+        if convert and q.dtype != mm_dtype:  # saturated to f16's range
             q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(mm_dtype)
         row_group = group if block_q > 1 or window is not None else None
 
@@ -349,7 +353,7 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
         acc, m, denom = _key_loops(step, it, _init_carry(head_dim), window)
         out, safe = _normalise(acc, denom)
         if splits == 1:
-            q_smem[...] = out.astype(dtype)  # Q is in registers
+            r_smem[...] = out.astype(r_smem.dtype)  # Q is in registers
         else:
             o_smem[...] = out
             lse_smem[...] = jnp.where(denom > 0.0, m + jnp.log2(safe), -jnp.inf)
@@ -358,7 +362,7 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
         def store(j):
             rows = pl.ds(j * group, group)
             if splits == 1:
-                plgpu.copy_smem_to_gmem(q_smem.at[rows], o_ref.at[it.q_start + j, h])
+                plgpu.copy_smem_to_gmem(r_smem.at[rows], o_ref.at[it.q_start + j, h])
             else:
                 plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, it.q_start + j, h])
                 plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[split, it.q_start + j, h])
@@ -670,14 +674,18 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     elif config.transposed:  # prompt blocks, then the decode tokens' items transposed, in one launch
         qs, per_slab = _transposed_q(q, num_kv_heads, kv_cache.dtype)
         _, scratch_t = _transposed_scratch(qs, qg, kv_cache.dtype, 1, block_kv, stages, page_size)
-        out_type, scratch_1 = _block_scratch(qg, kv_cache.dtype, 1, block_q, block_kv, stages, page_size)
+        # The blocks read the items' Q where its slabs are whole groups (no padding): Q is then converted
+        # once, and XLA fuses that into the RoPE that makes Q (one pass over Q, not two).
+        q_blocks = qs.reshape(qg.shape) if qs.size == qg.size else qg
+        out_type, scratch_1 = _block_scratch(qg, kv_cache.dtype, 1, block_q, block_kv, stages, page_size,
+                                             q_dtype=q_blocks.dtype)
         res = plgpu.kernel(
             functools.partial(_kernel_mixed, num_long=num_long, scratch_1=scratch_1, scratch_t=scratch_t,
                               kw_1=dict(splits=1, **static), kw_t=dict(splits=1, group=group, per_slab=per_slab,
                                                                        **static_t)),
             out_type=out_type, grid=(num_items, num_kv_heads, 1), grid_names=("item", "head", "split"),
             compiler_params=params,
-        )(meta, qg, qs, kv_cache)
+        )(meta, q_blocks, qs, kv_cache)
     else:
         out_type, scratch = _block_scratch(qg, kv_cache.dtype, splits, block_q, block_kv, stages, page_size)
         res = plgpu.kernel(
@@ -721,13 +729,15 @@ def _kernel_mixed(meta_ref, q_ref, qs_ref, kv_ref, o_ref, *, num_long, scratch_1
         lambda *scratch: _kernel_t(meta_ref, qs_ref, kv_ref, o_ref, *scratch, **kw_t), *scratch_t))
 
 
-def _block_scratch(qg, kv_dtype, splits, block_q, block_kv, stages, page_size):
-    """Output types and shared memory of `_kernel`. Q lands untiled (a TMA copy per token of just the
-    group's rows) and goes to registers as the wgmma's A; the result leaves through the same buffer
-    (f32 results through their own)."""
+def _block_scratch(qg, kv_dtype, splits, block_q, block_kv, stages, page_size, q_dtype=None):
+    """Output types and shared memory of `_kernel`. Q (`q_dtype`, by default qg's) lands untiled (a TMA
+    copy per token of just the group's rows) and goes to registers as the wgmma's A; the result leaves
+    through the same buffer (a union where Q's dtype is not the result's; f32 results through their own)."""
     head_dim = qg.shape[-1]
-    scratch = [plgpu.SMEM((ROWS, head_dim), qg.dtype), _tiled((stages, block_kv, head_dim), kv_dtype),
-               _tiled((stages, block_kv, head_dim), kv_dtype)]
+    q_buf = plgpu.SMEM((ROWS, head_dim), q_dtype or qg.dtype)
+    if splits == 1 and jnp.dtype(q_dtype or qg.dtype) != jnp.dtype(qg.dtype):
+        q_buf = plgpu.RefUnion(q_buf, plgpu.SMEM((ROWS, head_dim), qg.dtype))
+    scratch = [q_buf, _tiled((stages, block_kv, head_dim), kv_dtype), _tiled((stages, block_kv, head_dim), kv_dtype)]
     if splits > 1:
         scratch += [plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)]
     if is_fp8(kv_dtype):  # the block converted for the wgmma: K, V
