@@ -39,6 +39,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="where EOS ids and default sampling parameters come from: 'auto' (the model "
                              "directory's generation_config.json, if any), 'vllm' (none: jengine's defaults) "
                              "or a directory holding a generation_config.json")
+    parser.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                        help="sampling keys set over the generation config's, e.g. "
+                             "'{\"temperature\": 0.7, \"max_new_tokens\": 512}' (null unsets one)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def add_multihost_args(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +88,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
                 data_parallel_size=args.data_parallel_size, generation_config=args.generation_config,
+                override_generation_config=args.override_generation_config,
                 compilation_cache_dir=None if args.compilation_cache_dir.lower() in ("", "none")
                 else args.compilation_cache_dir)
 

@@ -132,7 +132,7 @@ class LLMEngine:
         mesh = make_mesh(tp, devices)
         phases = _Phases(t0)
         # read before the weights load, so that a bad file fails at once
-        generation = load_generation_config(config.generation_config, config.model)
+        generation = load_generation_config(config.generation_config, config.model, config.override_generation_config)
         checkpoint_cfg, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
                                             seed=config.seed, mesh=mesh)
         # The generation config's EOS ids end requests too (scheduler, sampler, beam search, the server's
@@ -141,9 +141,10 @@ class LLMEngine:
         self.model_config = generation.with_eos_of(checkpoint_cfg)
         # Defaults of the sampling fields a request leaves unset (`LLM.get_default_sampling_params`, the server)
         self.sampling_defaults = generation.sampling_defaults
-        if generation.path is not None:
-            logger.info("generation config %s: EOS ids %s, sampling defaults %s (generation_config='vllm' ignores "
-                        "it)", generation.path, list(self.model_config.eos_token_ids), self.sampling_defaults)
+        if generation.path is not None or config.override_generation_config:
+            logger.info("generation config %s (overrides %s): EOS ids %s, sampling defaults %s (generation_config="
+                        "'vllm' ignores the file)", generation.path, config.override_generation_config,
+                        list(self.model_config.eos_token_ids), self.sampling_defaults)
         self.config = config.resolve(self.model_config, jax.default_backend(), jax.device_count())
         cfg, ecfg = self.model_config, self.config
         phases.mark("weights")

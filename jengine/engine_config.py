@@ -52,6 +52,9 @@ class EngineConfig:
     # vLLM's --generation-config: "auto" takes EOS ids and sampling defaults from the model directory's
     # generation_config.json (when there is one), "vllm" ignores it, a directory path reads the one there.
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: sampling keys of a generation config (temperature, top_p, top_k,
+    # min_p, repetition_penalty, max_new_tokens) set over the file's defaults; a null unsets one.
+    override_generation_config: dict | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self):
         for field in dataclasses.fields(self):  # numpy scalars as the Python values they hold
@@ -84,6 +87,12 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding generation_config.json, "
                              f"got {self.generation_config!r}")
+        override = self.override_generation_config
+        if override is not None:
+            if not isinstance(override, dict) or not all(isinstance(k, str) for k in override):
+                raise ValueError("override_generation_config must be None or a dict of generation-config keys "
+                                 f"(e.g. {{'temperature': 0.7}}), got {override!r}")
+            object.__setattr__(self, "override_generation_config", dict(override))  # the caller's stays theirs
         if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
             raise ValueError(f"compilation_cache_dir must be a path or None, got {self.compilation_cache_dir!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

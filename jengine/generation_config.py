@@ -1,7 +1,9 @@
 """A model's Hugging Face `generation_config.json`: its extra EOS ids and its default sampling parameters.
 
 As vLLM's `--generation-config`: "auto" reads the file from the model directory when there is one,
-"vllm" ignores it, and any other value is a directory holding the file. From it jengine takes
+"vllm" ignores it, and any other value is a directory holding the file; as its
+`--override-generation-config`, `EngineConfig.override_generation_config` sets sampling keys over the
+file's (in any mode; a null unsets one). From it jengine takes
 `eos_token_id` (stop tokens on top of config.json's: Llama-3 Instruct's end-of-turn token is only
 there) and, as the defaults of fields a request leaves unset, vLLM's choice of sampling fields
 (`max_new_tokens` becomes `max_tokens`). Every other key (`do_sample`, `bos_token_id`,
@@ -46,10 +48,31 @@ class GenerationConfig:
             raise ValueError(f"{self.path}: eos_token_id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
         return cfg.replace(eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + self.eos_token_ids)))
 
+    def with_overrides(self, override: dict) -> GenerationConfig:
+        """This config with `override`'s sampling keys (the file's names, e.g. `max_new_tokens`) set over
+        its own: a value as given (even transformers' default), a null unsetting the key."""
+        unknown = sorted(str(k) for k in override if k not in SAMPLING_FIELDS)
+        if unknown:
+            raise ValueError(f"override_generation_config: unknown key(s) {unknown}; it takes "
+                             f"{', '.join(SAMPLING_FIELDS)}")
+        defaults = dict(self.sampling_defaults)
+        for key, value in override.items():
+            if value is None:
+                defaults.pop(SAMPLING_FIELDS[key], None)
+            else:
+                defaults[SAMPLING_FIELDS[key]] = _checked("override_generation_config", key, value)
+        return dataclasses.replace(self, sampling_defaults=defaults)
 
-def load_generation_config(setting: str, model: str) -> GenerationConfig:
+
+def load_generation_config(setting: str, model: str, override: dict | None = None) -> GenerationConfig:
     """The generation config that `setting` ("auto", "vllm" or a directory) selects for `model` (a model
-    directory or a preset; presets have none)."""
+    directory or a preset; presets have none), with `override` (`GenerationConfig.with_overrides`) set
+    over it."""
+    config = _selected(setting, model)
+    return config.with_overrides(override) if override else config
+
+
+def _selected(setting: str, model: str) -> GenerationConfig:
     if setting == "vllm":
         return GenerationConfig()
     if setting == "auto":
@@ -82,9 +105,14 @@ def read_generation_config(path: str) -> GenerationConfig:
         if raw.get(key) is None or (key in TRANSFORMERS_DEFAULTS and raw[key] == TRANSFORMERS_DEFAULTS[key]
                                     and not isinstance(raw[key], bool)):
             continue  # absent, null, or transformers' default: not set, as in vLLM
-        try:
-            SamplingParams(**{field: raw[key]})  # SamplingParams' own checks, one field at a time
-        except ValueError as e:
-            raise ValueError(f"{path}: {key} is invalid: {e}") from None
-        defaults[field] = raw[key]
+        defaults[field] = _checked(path, key, raw[key])
     return GenerationConfig(path=path, eos_token_ids=tuple(dict.fromkeys(ids)), sampling_defaults=defaults)
+
+
+def _checked(source: str, key: str, value):
+    """`value` of the generation-config key `key`, checked by SamplingParams (one field at a time)."""
+    try:
+        SamplingParams(**{SAMPLING_FIELDS[key]: value})
+    except ValueError as e:
+        raise ValueError(f"{source}: {key} is invalid: {e}") from None
+    return value

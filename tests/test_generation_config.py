@@ -176,6 +176,53 @@ def test_a_bad_generation_config_stops_the_engine_before_it_loads_anything(tmp_p
         LLM(_model_with(tmp_path / "bad", {"temperature": -1}), **SMALL)
 
 
+# ---------------------------------------------------------------------- override_generation_config
+
+def test_overrides_set_keys_over_the_files_in_any_mode_and_a_null_unsets_one(model_dir):
+    file = load_generation_config("auto", model_dir)  # temperature 0.0, max_new_tokens 3
+    got = load_generation_config("auto", model_dir, {"temperature": 1.0, "top_k": 50, "max_new_tokens": None})
+    # as given, even transformers' defaults (vLLM applies the override after to_diff_dict)
+    assert got.sampling_defaults == {"temperature": 1.0, "top_k": 50}
+    assert got.eos_token_ids == file.eos_token_ids
+    assert load_generation_config("vllm", model_dir, {"top_p": 0.5}).sampling_defaults == {"top_p": 0.5}
+    assert load_generation_config("auto", FIXTURE, {"min_p": 0.1}).sampling_defaults == {"min_p": 0.1}
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"temprature": 0.5}, r"override_generation_config: unknown key\(s\) \['temprature'\]"),
+    ({"eos_token_id": 3}, r"unknown key\(s\) \['eos_token_id'\]"),
+    ({"top_p": 0.0}, "override_generation_config: top_p is invalid"),
+    ({"max_new_tokens": "lots"}, "override_generation_config: max_new_tokens is invalid"),
+])
+def test_a_bad_override_is_a_value_error_naming_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_generation_config("vllm", FIXTURE, override)
+
+
+def test_engine_config_and_the_cli_flag_take_an_override_object():
+    override = {"temperature": 0.3}
+    config = EngineConfig(model=FIXTURE, override_generation_config=override)
+    override["temperature"] = 9.0  # the config keeps its own copy
+    assert config.override_generation_config == {"temperature": 0.3} and hash(config) == hash(EngineConfig(FIXTURE))
+    for bad in ([("temperature", 0.3)], {1: 0.3}, "temperature=0.3"):
+        with pytest.raises(ValueError, match="override_generation_config must be None or a dict"):
+            EngineConfig(model=FIXTURE, override_generation_config=bad)
+    parser = build_parser()
+    args = parser.parse_args(["serve", FIXTURE, "--override-generation-config", '{"top_k": 20, "min_p": null}'])
+    assert engine_kwargs(args)["override_generation_config"] == {"top_k": 20, "min_p": None}
+    assert engine_kwargs(parser.parse_args(["generate"]))["override_generation_config"] is None
+    for bad in ("{top_k: 20}", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--override-generation-config", bad])
+
+
+def test_the_engine_applies_the_override_to_its_defaults(model_dir):
+    llm = LLM(model_dir, override_generation_config={"max_new_tokens": 2, "top_k": 7}, **SMALL)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=2, top_k=7)
+    out = llm.generate([PROMPT], use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (GREEDY[:2], "length")
+
+
 # ---------------------------------------------------------------------- the engine
 
 def test_the_generation_configs_eos_ends_requests_and_vllm_mode_runs_past_it(llm, llm_vllm):
