@@ -13,7 +13,8 @@ from jengine.data_parallel import build_engine
 from jengine.engine_config import EngineConfig
 from jengine.outputs import RequestOutput
 from jengine.presets import DEFAULT_MODEL
-from jengine.sampling_params import RequestOutputKind, SamplingParams, check_bool
+from jengine.sampling_params import RequestOutputKind, SamplingParams
+from jengine.tokenizer import render_chat
 
 
 def _is_token_ids(prompts) -> bool:
@@ -84,15 +85,15 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"}) or a list of them."""
+             chat_template: str | None = None, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"}) or a list of them.
+
+        `continue_final_message`: leave the final message open for the model to continue (with
+        add_generation_prompt=False); `chat_template_kwargs`: extra variables for the template."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
-        check_bool("add_generation_prompt", add_generation_prompt)
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise ValueError("chat_template must be a Jinja template string or None, got "
-                             f"{type(chat_template).__name__}")
         if not isinstance(messages, (list, tuple)):
             raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
                              f"list of conversations, got {type(messages).__name__}")
@@ -104,9 +105,10 @@ class LLM:
                     and isinstance(m.get("content"), (str, list)) for m in conv):
                 raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts (role a string, "
                                  "content a string or a list of parts)")
-            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template)
-            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompts.append({"prompt_token_ids": render_chat(
+                tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:

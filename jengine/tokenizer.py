@@ -12,6 +12,7 @@ import json
 import os
 
 from jengine.presets import resolve_model
+from jengine.sampling_params import check_bool
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 BYTE_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header|>", "<|end_header|>", "<|eot|>")
@@ -20,6 +21,12 @@ _BYTE_CHAT_TEMPLATE = (
     "{{ m['content'] }}<|eot|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header|>assistant<|end_header|>{% endif %}"
 )
+# What jengine passes to `apply_chat_template` itself, and its arguments that would change what it returns
+# (a string); `messages` is the conversation's name inside the template.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
+    "return_dict", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
+    "max_length", "sanitize_control_tokens"})
 
 
 def load_tokenizer(model: str):
@@ -66,3 +73,38 @@ def byte_tokenizer():
     )
     fast.chat_template = _BYTE_CHAT_TEMPLATE
     return fast
+
+
+def render_chat(tokenizer, conversation: list[dict], *, add_generation_prompt: bool,
+                continue_final_message: bool = False, chat_template: str | None = None,
+                chat_template_kwargs: dict | None = None) -> list[int]:
+    """The prompt token ids of one conversation rendered with `chat_template` (else the tokenizer's own),
+    `chat_template_kwargs` as extra template variables. The template writes every special token it
+    wants, so none are added in encoding. Options a caller can get wrong are ValueErrors naming them."""
+    check_bool("add_generation_prompt", add_generation_prompt)
+    check_bool("continue_final_message", continue_final_message)
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true (add_generation_prompt "
+                         "defaults to true: set it to false to continue the final message)")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ValueError("chat_template must be a Jinja template string or None, got "
+                         f"{type(chat_template).__name__}")
+    kwargs = {} if chat_template_kwargs is None else chat_template_kwargs
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict or None, got {type(kwargs).__name__}")
+    bad_keys = [k for k in kwargs if not isinstance(k, str)]
+    if bad_keys:
+        raise ValueError(f"chat_template_kwargs keys must be strings, got {bad_keys[0]!r}")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: jengine sets those "
+                         "arguments of the rendering itself")
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("chat_template must be given: this model's tokenizer has no chat template")
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             chat_template=chat_template, **kwargs)
+    except Exception as e:  # a template that rejects the conversation (roles, order) or fails to compile
+        raise ValueError(f"the chat template rejected the messages: {e}") from e
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -38,8 +38,40 @@ def test_chat_generates_from_the_rendered_template(llm):
     ([[{"role": "user", "content": "hi"}], "x"], {}, "messages must be a list of"),
     (HELLO, {"chat_template": 5}, "chat_template must be a Jinja template string or None, got int"),
     (HELLO, {"add_generation_prompt": "yes"}, "add_generation_prompt must be True or False"),
+    (HELLO, {"continue_final_message": 1, "add_generation_prompt": False}, "continue_final_message must be True or"),
+    (HELLO, {"continue_final_message": True}, "continue_final_message and add_generation_prompt cannot both be"),
+    (HELLO, {"chat_template_kwargs": ["shout"]}, "chat_template_kwargs must be a dict or None, got list"),
+    (HELLO, {"chat_template_kwargs": {1: True}}, "chat_template_kwargs keys must be strings, got 1"),
+    *[(HELLO, {"chat_template_kwargs": {key: False}}, f"chat_template_kwargs may not set '{key}'")
+      for key in ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                  "chat_template")],
+    (HELLO, {"chat_template": "{{ raise_exception('no system turns') }}"},
+     "the chat template rejected the messages: no system turns"),
 ])
 def test_bad_conversations_and_options_are_value_errors(llm, messages, kwargs, message):
     with pytest.raises(ValueError, match=message):
         llm.chat(messages, GREEDY, use_tqdm=False, **kwargs)
     assert llm.engine.num_unfinished_requests() == 0
+
+
+def test_continue_final_message_leaves_the_last_message_open(llm):
+    tok = llm.engine.tokenizer
+    conv = [*HELLO, {"role": "assistant", "content": "Sure, the"}]
+    out = llm.chat(conv, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    text = tok.apply_chat_template(conv, tokenize=False, continue_final_message=True)
+    assert text.endswith("Sure, the") and out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    closed = llm.chat(conv, GREEDY, use_tqdm=False, add_generation_prompt=False)[0].prompt_token_ids
+    assert len(closed) > len(out.prompt_token_ids) and closed[:len(out.prompt_token_ids)] == out.prompt_token_ids
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_chat_template_kwargs_are_variables_of_the_template(llm):
+    tok = llm.engine.tokenizer
+    shout = "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}"
+    loud = llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template=shout, chat_template_kwargs={"shout": True})[0]
+    quiet = llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template=shout, chat_template_kwargs={"shout": False})[0]
+    assert tok.decode(loud.prompt_token_ids) == "LOUD hi" and tok.decode(quiet.prompt_token_ids) == "hi"
+    # the model's own template ignores variables it does not use (Qwen3's enable_thinking, say)
+    plain = llm.chat(HELLO, GREEDY, use_tqdm=False)[0].prompt_token_ids
+    assert llm.chat(HELLO, GREEDY, use_tqdm=False,
+                    chat_template_kwargs={"enable_thinking": False})[0].prompt_token_ids == plain

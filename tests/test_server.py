@@ -193,6 +193,18 @@ ERROR_CASES = [  # (name, route, body, status, the error body's param)
      400, "tools"),
     ("required tool choice", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                       "tool_choice": "required"}, 400, "tool_choice"),
+    ("continue_final_message with the generation prompt", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400, "continue_final_message"),
+    ("reserved chat_template_kwargs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"add_generation_prompt": False}}, 400,
+     "chat_template_kwargs"),
+    ("chat_template_kwargs not an object", "/tokenize",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": ["x"]}, 400, "chat_template_kwargs"),
+    ("empty messages to tokenize", "/tokenize", {"messages": []}, 400, "messages"),
+    ("a request's chat_template, untrusted", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ("a request's chat_template to tokenize, untrusted", "/tokenize",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400, "chat_template"),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, None),
     ("unknown route", "/v1/nothing", {}, 404, None),
 ]
@@ -216,6 +228,89 @@ def test_plain_text_format_and_tool_choice_none_are_served(client):
     plain = client.chat.completions.create(**kw).choices[0].message.content
     assert client.chat.completions.create(response_format={"type": "text"}, **kw).choices[0].message.content == plain
     assert client.chat.completions.create(tools=tools, tool_choice="none", **kw).choices[0].message.content == plain
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+FILE_TEMPLATE = ("{% if shout %}LOUD {% endif %}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def _tokenize_chat(srv, **body) -> list[int]:
+    r = httpx.post(f"{srv.url}/tokenize", json={"messages": CHAT, **body}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_continue_final_message_renders_the_last_message_open(server, client):
+    from jengine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    conv = [*CHAT, {"role": "assistant", "content": "Sure, the"}]
+    want = tok.encode(tok.apply_chat_template(conv, tokenize=False, continue_final_message=True),
+                      add_special_tokens=False)
+    assert tok.decode(want).endswith("<|start_header|>assistant<|end_header|>Sure, the")
+    opts = {"continue_final_message": True, "add_generation_prompt": False}
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": conv, **opts}, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+    out = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=2, temperature=0, extra_body=opts)
+    assert out.usage.prompt_tokens == len(want)
+
+
+def test_chat_template_kwargs_reach_the_models_template(server, client):
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(**kw)
+    thinking_off = client.chat.completions.create(
+        **{**kw, "extra_body": {**kw["extra_body"], "chat_template_kwargs": {"enable_thinking": False}}})
+    assert thinking_off.usage.prompt_tokens == plain.usage.prompt_tokens == len(_tokenize_chat(server))
+    # transformers lets template variables override the special tokens the template prints
+    ids = _tokenize_chat(server, chat_template_kwargs={"bos_token": "BOS"})
+    assert ids == list(b"BOS") + _tokenize_chat(server)[1:]
+
+
+def test_a_requests_chat_template_is_refused_without_the_trust_flag(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=30,
+                   json={"messages": CHAT, "chat_template": "{{ messages[0]['content'] }}"})
+    assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def templated_server(tmp_path_factory):
+    """A server with a default chat template from a file, which also takes requests' own templates."""
+    path = tmp_path_factory.mktemp("chat") / "template.jinja"
+    path.write_text(FILE_TEMPLATE)
+    srv = Server("--chat-template", str(path), "--trust-request-chat-template")
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_chat_template_file_renders_every_chat_request_and_a_trusted_request_may_bring_its_own(templated_server):
+    srv = templated_server
+    other = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    assert _tokenize_chat(srv) == list(b"[user] hi\n[assistant] ")
+    assert _tokenize_chat(srv, chat_template_kwargs={"shout": True}) == list(b"LOUD [user] hi\n[assistant] ")
+    assert _tokenize_chat(srv, chat_template="{{ messages[0]['content'] }}!") == list(b"hi!")
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+    assert other.chat.completions.create(**kw).usage.prompt_tokens == len("[user] hi\n[assistant] ")
+    loud = other.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"shout": True}})
+    assert loud.usage.prompt_tokens == len("LOUD [user] hi\n[assistant] ")
+    own = other.chat.completions.create(**kw, extra_body={"chat_template": "{{ messages[0]['content'] }}!"})
+    assert own.usage.prompt_tokens == 3
+
+
+def test_serve_cli_chat_template_is_a_file_or_the_template_itself(tmp_path, capsys):
+    from jengine.cli import build_parser
+
+    parser = build_parser()
+    path = tmp_path / "t.jinja"
+    path.write_text(FILE_TEMPLATE)
+    args = parser.parse_args(["serve", MODEL])
+    assert (args.chat_template, args.trust_request_chat_template) == (None, False)
+    args = parser.parse_args(["serve", MODEL, "--chat-template", str(path), "--trust-request-chat-template"])
+    assert (args.chat_template, args.trust_request_chat_template) == (FILE_TEMPLATE, True)
+    assert parser.parse_args(["serve", MODEL, "--chat-template", "{{ x }}"]).chat_template == "{{ x }}"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", MODEL, "--chat-template", str(tmp_path / "missing.jinja")])
+    assert "is neither a file nor a Jinja template" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])

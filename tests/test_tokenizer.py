@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jengine.tokenizer import BYTE_SPECIALS, byte_tokenizer, load_tokenizer
+from jengine.tokenizer import BYTE_SPECIALS, byte_tokenizer, load_tokenizer, render_chat
 
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
 TOK = byte_tokenizer()
@@ -88,6 +88,24 @@ def test_chat_template_without_generation_prompt_ends_at_last_turn():
     text = TOK.apply_chat_template(MESSAGES[1:], tokenize=False, add_generation_prompt=False)
     assert text == "<|begin_of_text|><|start_header|>user<|end_header|>Grüß dich 👋<|eot|>"
     assert chat_ids(TOK, MESSAGES[1:], add_generation_prompt=False)[-1] == 260
+
+
+def test_render_chat_encodes_the_rendered_text_without_adding_special_tokens():
+    assert render_chat(TOK, MESSAGES, add_generation_prompt=True) == chat_ids(TOK, MESSAGES, True)
+    cont = render_chat(TOK, MESSAGES, add_generation_prompt=False, continue_final_message=True)
+    assert TOK.decode(cont) == "<|begin_of_text|><|start_header|>system<|end_header|>Be brief.<|eot|>" \
+        "<|start_header|>user<|end_header|>Grüß dich 👋"
+
+
+def test_render_chat_takes_the_given_template_and_needs_one_where_the_tokenizer_has_none():
+    bare = byte_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="chat_template must be given: this model's tokenizer has no chat template"):
+        render_chat(bare, MESSAGES, add_generation_prompt=True)
+    template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}{{ suffix }}"
+    ids = render_chat(bare, MESSAGES, add_generation_prompt=True, chat_template=template,
+                      chat_template_kwargs={"suffix": "<|eot|>"})
+    assert ids == ids_of("s:Be brief.;u:Grüß dich 👋;") + [260]
 
 
 def test_preset_with_bytes_marker_gets_byte_tokenizer():

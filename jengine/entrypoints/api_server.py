@@ -66,9 +66,12 @@ async def _unless_disconnected(raw: Request, coro):
 
 
 def build_app(llm: AsyncLLM, model_name: str, *, tokenizer=None, api_key: str | None = None,
-              metrics: EngineMetrics | None = None, shutdown_engine: bool = True) -> FastAPI:
-    """The ASGI app; `tokenizer` is the API thread's own copy (the engine thread keeps its own)."""
-    serving = OpenAIServing(llm, model_name, tokenizer)
+              metrics: EngineMetrics | None = None, shutdown_engine: bool = True, chat_template: str | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
+    """The ASGI app; `tokenizer` is the API thread's own copy (the engine thread keeps its own). Chat
+    templates are applied here, never in the engine: `chat_template` is the server's default one."""
+    serving = OpenAIServing(llm, model_name, tokenizer, chat_template=chat_template,
+                            trust_request_chat_template=trust_request_chat_template)
     max_model_len = llm.engine.config.max_model_len
     created = int(time.time())
 
@@ -151,8 +154,7 @@ def build_app(llm: AsyncLLM, model_name: str, *, tokenizer=None, api_key: str | 
         if (req.prompt is None) == (req.messages is None):
             raise ValueError("send exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
-            chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-            ids = serving.chat_prompt(chat)
+            ids = serving.chat_prompt(req)
         else:
             ids = _encode(req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}

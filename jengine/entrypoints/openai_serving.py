@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator
 
 from jengine.async_llm import AsyncLLM
 from jengine.entrypoints.errors import APIError
-from jengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, check_fits_engine
+from jengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, check_fits_engine
 from jengine.outputs import CompletionOutput, RequestOutput
 from jengine.sampling_params import RequestOutputKind, SamplingParams
+from jengine.tokenizer import render_chat
 
 _DONE = object()
 
@@ -91,8 +92,13 @@ class _Run:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_name: str, tokenizer):
+    """`chat_template`: the server's template for every chat request (`--chat-template`), else the
+    tokenizer's; a request's own is accepted only with `trust_request_chat_template`."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str, tokenizer, *, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False):
         self.llm, self.model_name, self.tokenizer = llm, model_name, tokenizer
+        self.chat_template, self.trust_request_chat_template = chat_template, trust_request_chat_template
         self.engine_config = llm.engine.config
         self.model_config = llm.engine.model_config
         self.sampling_defaults = llm.engine.sampling_defaults  # from the model's generation config
@@ -281,15 +287,19 @@ class OpenAIServing:
                                              for ts, lp in tops]})
         return {"content": content}
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model has no chat template; use /v1/completions")
-        try:
-            text = self.tokenizer.apply_chat_template(req.conversation(), tokenize=False,
-                                                      add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # a template that rejects the conversation (roles, order)
-            raise ValueError(f"the chat template rejected the messages: {e}") from e
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        """The prompt ids of a chat request's messages (or /tokenize's), rendered with its template options."""
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            # a template is code the server runs: by default only its operator chooses it, as in vLLM
+            raise ValueError("chat_template in a request is refused: the server was not started with "
+                             "--trust-request-chat-template")
+        template = req.chat_template if req.chat_template is not None else self.chat_template
+        if self.tokenizer is None or (template is None and getattr(self.tokenizer, "chat_template", None) is None):
+            raise ValueError("this model has no chat template; use /v1/completions (or start the server with "
+                             "--chat-template)")
+        return render_chat(self.tokenizer, req.conversation(), add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message, chat_template=template,
+                           chat_template_kwargs=req.chat_template_kwargs)
 
     async def create_chat_completion(self, req: ChatCompletionRequest):
         self.check_model(req.model)

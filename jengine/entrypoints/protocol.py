@@ -7,7 +7,7 @@ no bad value reaches the engine thread.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -157,20 +157,29 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class _ChatTemplateOptions(_Body):
+    """How a conversation is rendered (vLLM's names); `OpenAIServing.chat_prompt` reads them. A request's own
+    chat_template is refused unless the server trusts request templates."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
     # Tool calling needs a tool-call parser, which jengine does not have. As vLLM does without one, tools
     # are refused unless tool_choice is "none" (then they are ignored).
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-
-    def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         """`defaults`: as `sampling_params` takes them (max_tokens where the request gives neither
@@ -189,12 +198,13 @@ class ChatCompletionRequest(_Sampling):
         return self.sampling_params(max_tokens, logprobs, defaults)
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_ChatTemplateOptions):
+    """Either `prompt` (encoded with `add_special_tokens`) or `messages` (rendered as a chat request's)."""
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Body):

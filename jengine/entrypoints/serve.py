@@ -37,6 +37,19 @@ def _joined(lists: list[tuple[int, ...]] | None) -> tuple[int, ...] | None:
     return None if lists is None else tuple(x for part in lists for x in part)
 
 
+def _chat_template(value: str) -> str:
+    """`--chat-template`: a file holding the template, else the template itself (as vLLM reads it)."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot read the chat template file {value!r}: {e}") from None
+    if not any(ch in value for ch in "{}\n"):  # neither a file nor anything a template would hold
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template")
+    return value
+
+
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from jengine.cli import add_engine_args, add_multihost_args
 
@@ -54,6 +67,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="token-count buckets to compile, comma- or space-separated (default: derived)")
     p.add_argument("--seq-buckets", type=_int_list, nargs="+", default=None,
                    help="sequence-count buckets to compile, comma- or space-separated (default: derived)")
+    p.add_argument("--chat-template", type=_chat_template, default=None,
+                   help="the chat template for every chat request, a file or the Jinja text itself (default: the "
+                   "tokenizer's)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template sent in a request (a template is code the server runs)")
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine on a thread of the server's process, not in a process of its own "
                    "(always so with --num-processes > 1)")
@@ -114,7 +132,8 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         metrics = EngineMetrics(name)
         llm = AsyncLLM.from_engine(engine, stat_logger=metrics.record, on_abort=lambda _: metrics.record_aborted())
-        app = build_app(llm, name, tokenizer=load_tokenizer(args.model), api_key=api_key, metrics=metrics)
+        app = build_app(llm, name, tokenizer=load_tokenizer(args.model), api_key=api_key, metrics=metrics,
+                        chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template)
         log.info("serving %s as %r on http://%s:%d (%d replica(s) x %d device(s)%s; %d buckets compiled in %.1fs, "
                  "%d embedding lengths)", args.model, name, args.host, args.port, args.data_parallel_size,
                  args.tensor_parallel_size, f", {multihost[1]} processes" if multi_process else "",
