@@ -213,6 +213,15 @@ class LLMEngine:
             return None, token_ids(prompt, self.model_config.vocab_size)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (SamplingParams.truncate_prompt_tokens; -1: max_model_len)."""
+        if keep is None:
+            return ids
+        limit = self.config.max_model_len
+        if keep > limit:
+            raise ValueError(f"truncate_prompt_tokens={keep} is more than max_model_len={limit}")
+        return ids[-(limit if keep == -1 else keep):]
+
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
                     priority: int = 0, arrival_time: float | None = None) -> list[int]:
         """Queue a request; returns its prompt's token ids."""
@@ -225,6 +234,7 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         self._check_token_params(params)
         text, ids = self.tokenize_prompt(prompt)
+        ids = self._truncated(ids, params.truncate_prompt_tokens)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         arrival = time.time() if arrival_time is None else arrival_time

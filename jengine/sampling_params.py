@@ -82,6 +82,8 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); None keeps it whole
+    truncate_prompt_tokens: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
@@ -151,6 +153,11 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1
+                                                                 or self.truncate_prompt_tokens == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 (max_model_len) or an int >= 1, got "
+                             f"{self.truncate_prompt_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -281,6 +281,23 @@ def test_over_long_prompt_and_bad_params_raise_clear_errors(llm):
     _assert_no_leak(llm)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    prompt, _ = HF_CASES[0]
+    tail = list(prompt[-3:])
+    want = llm.generate([tail], GREEDY16, use_tqdm=False)[0]
+    got = llm.generate([list(prompt)], GREEDY16.clone(truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert got.prompt_token_ids == tail and got.outputs[0].token_ids == want.outputs[0].token_ids
+    # -1: the last max_model_len (128) tokens; then max_tokens must still fit (as in vLLM)
+    long = [1 + i % 50 for i in range(200)]
+    with pytest.raises(ValueError, match="prompt of 128 tokens plus max_tokens=1 is 129"):
+        llm.generate([long], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)
+    out = llm.generate([long], SamplingParams(max_tokens=1, truncate_prompt_tokens=127), use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-127:]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=129 is more than max_model_len=128"):
+        llm.generate([long], SamplingParams(truncate_prompt_tokens=129), use_tqdm=False)
+    _assert_no_leak(llm)
+
+
 def test_beam_search_with_width_one_is_greedy_and_wider_beams_score_no_worse(llm):
     from jengine.beam_search import BeamSearchParams
 

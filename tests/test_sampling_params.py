@@ -39,6 +39,10 @@ def test_defaults_follow_vllm():
         (dict(logprobs=21), r"logprobs must be None or an int in \[0, 20\], got 21"),
         (dict(prompt_logprobs=-1), r"prompt_logprobs must be None or an int in \[0, 20\], got -1"),
         (dict(seed=1.5), "seed must be an int or None, got 1.5"),
+        (dict(truncate_prompt_tokens=0), r"truncate_prompt_tokens must be None, -1 \(max_model_len\) or an int >= 1, "
+                                         "got 0"),
+        (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens must be None, -1"),
+        (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens must be None, -1"),
         (dict(stop=[""]), "stop must be a non-empty string"),
         (dict(stop_token_ids=[-1]), "stop_token_ids must be ints >= 0, got -1"),
         (dict(logit_bias={"x": 1.0}), "logit_bias keys must be token ids"),

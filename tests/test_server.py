@@ -153,6 +153,15 @@ def test_echo_with_logprobs_scores_the_prompt_tokens(client):
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client):
+    kw = dict(model=MODEL, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    tail = client.completions.create(prompt=ids[-4:], **kw)
+    kw["extra_body"] = {"ignore_eos": True, "truncate_prompt_tokens": 4}
+    cut = client.completions.create(prompt=ids, **kw)
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == tail.choices[0].text
+
+
 def test_tokenize_detokenize_and_embeddings(server, client):
     tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "héllo"}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256
@@ -205,6 +214,10 @@ ERROR_CASES = [  # (name, route, body, status, the error body's param)
      {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400, "chat_template"),
     ("a request's chat_template to tokenize, untrusted", "/tokenize",
      {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ("bad truncate_prompt_tokens", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400,
+     "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens past max_model_len", "/v1/completions",
+     {"prompt": "x", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens"),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, None),
     ("unknown route", "/v1/nothing", {}, 404, None),
 ]

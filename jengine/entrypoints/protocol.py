@@ -73,6 +73,7 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    truncate_prompt_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -107,7 +108,8 @@ class _Sampling(_Body):
             raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         return SamplingParams(
             n=self.n, seed=self.seed, stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs, logit_bias=self.logit_bias,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,
+            logprobs=logprobs, logit_bias=self.logit_bias,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, **kw)
