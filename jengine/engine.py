@@ -10,12 +10,10 @@ import collections
 import dataclasses
 import gc
 import logging
-import numbers
 import os
 import time
 
 import jax
-import numpy as np
 
 from jengine.buckets import pick_bucket, seq_bucket
 from jengine.detokenizer import IncrementalDetokenizer
@@ -27,6 +25,7 @@ from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
 from jengine.logprobs import FlatLogprobs, append_positions, for_output
 from jengine.outputs import CompletionOutput, RequestOutput
+from jengine.prompts import tokenize_prompt, truncated
 from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, to_host
 from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES, SamplingRow, build_sampling_tensors
@@ -90,26 +89,6 @@ class _Phases:
         now = time.perf_counter()
         self.seconds[name] = now - self.last
         self.last = now
-
-
-def token_ids(prompt, vocab: int) -> list[int]:
-    """A prompt's token ids (a list, tuple or 1-D array) as a list of ints in [0, vocab); a ValueError
-    for anything else: floats (1.5 would pass int()), bools, nested lists. Lists of plain ints, the usual
-    case, are checked at C speed (a per-token isinstance against numbers.Integral took 80 ms for 256
-    prompts of 512 tokens, all before the first step)."""
-    if isinstance(prompt, np.ndarray):
-        if prompt.ndim != 1:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got a {prompt.ndim}-D array")
-        prompt = prompt.tolist()  # Python ints (or floats, bools, objects: checked below)
-    if set(map(type, prompt)) <= {int}:  # (a bool's type is bool, not int)
-        ids = list(prompt)
-    elif any(isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral) for t in prompt):
-        ids = None
-    else:  # numpy integers and other integral types
-        ids = [int(t) for t in prompt]
-    if ids is None or (ids and (min(ids) < 0 or max(ids) >= vocab)):
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-    return ids
 
 
 class LLMEngine:
@@ -198,29 +177,7 @@ class LLMEngine:
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """A prompt as text, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple, np.ndarray)):
-            return None, token_ids(prompt, self.model_config.vocab_size)
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-
-    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
-        """The prompt's last `keep` tokens (SamplingParams.truncate_prompt_tokens; -1: max_model_len)."""
-        if keep is None:
-            return ids
-        limit = self.config.max_model_len
-        if keep > limit:
-            raise ValueError(f"truncate_prompt_tokens={keep} is more than max_model_len={limit}")
-        return ids[-(limit if keep == -1 else keep):]
+        return tokenize_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
                     priority: int = 0, arrival_time: float | None = None) -> list[int]:
@@ -234,7 +191,7 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         self._check_token_params(params)
         text, ids = self.tokenize_prompt(prompt)
-        ids = self._truncated(ids, params.truncate_prompt_tokens)
+        ids = truncated(ids, params.truncate_prompt_tokens, self.config.max_model_len)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         arrival = time.time() if arrival_time is None else arrival_time

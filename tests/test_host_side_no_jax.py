@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-HOST_MODULES = ["request", "block_manager", "scheduler", "buckets", "sampling_params", "generation_config"]
+HOST_MODULES = ["request", "block_manager", "scheduler", "buckets", "sampling_params", "generation_config", "prompts"]
 
 _PROBE = """
 import importlib, sys, types
