@@ -155,11 +155,12 @@ def summarise(events, steps: int, top_n: int = 20, gaps_n: int = 0) -> dict:
     }
 
 
-def sequence(events, first: int, count: int) -> list[dict]:
+def sequence(events, first: int, count: int, copies: bool = False) -> list[dict]:
     """Kernels [first, first + count) in start order: name, start (from the first listed), duration and
     the gap since the previous kernel ended (negative: they overlapped, as programmatic dependent
-    launch lets them)."""
-    ordered = sorted((s, d, name) for name, s, d in events if category(name) != "copy")[first:first + count]
+    launch lets them). Copies and memsets are left out unless `copies`."""
+    ordered = sorted((s, d, name) for name, s, d in events
+                     if copies or category(name) != "copy")[first:first + count]
     rows, prev_end = [], None
     for s, d, name in ordered:
         rows.append({"name": name[:90], "start_us": (s - ordered[0][0]) / 1e3, "us": d / 1e3,
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sequence", type=int, nargs=2, default=None, metavar=("FIRST", "COUNT"),
                         help="also list COUNT kernels of the traced run in time order from kernel FIRST "
                              "(one layer's chain: which fusions sit between the GEMMs, with gaps)")
+    parser.add_argument("--sequence-copies", action="store_true",
+                        help="--sequence lists copies and memsets too (they are left out by default)")
     parser.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size, choices=PAGE_SIZES,
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, ms, calls in summary["host_events"]:
             print(f"    host {ms:7.3f} ms/step {calls:7.1f}x  {name}")
         if args.sequence:
-            summary["sequence"] = sequence(planes[first], *args.sequence)
+            summary["sequence"] = sequence(planes[first], *args.sequence, copies=args.sequence_copies)
             for k in summary["sequence"]:
                 print(f"    at {k['start_us']:9.1f} us  {k['us']:7.1f} us  gap {k['gap_us']:6.1f}  {k['name']}")
         for k in summary["top_kernels"]:
