@@ -241,6 +241,9 @@ def test_profile_sequence_lists_kernels_in_start_order_with_gaps():
     assert [r["name"] for r in rows] == ["ragged_paged_attention", "gemm_b"]
     assert [r["start_us"] for r in rows] == [0.0, 3.0] and [r["us"] for r in rows] == [10.0, 2.0]
     assert [r["gap_us"] for r in rows] == [0.0, -7.0]  # gemm_b started 7 us before attention ended
+    with_copies = sequence(events, 0, 2, copies=True)
+    assert [r["name"] for r in with_copies] == ["MemcpyH2D", "gemm_a"]
+    assert [r["gap_us"] for r in with_copies] == [0.0, -4.0]
 
 
 def test_tp_check_compares_tensor_parallel_with_one_device():
