@@ -266,14 +266,18 @@ class OpenAIServing:
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _with_echo(self, out: RequestOutput, c: CompletionOutput, start: int, as_ids: bool) -> dict | None:
-        """Completion logprobs from token `start`, preceded by the prompt's when echo asked for them."""
+    def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, start: int,
+                         as_ids: bool) -> dict | None:
+        """Completion logprobs from token `start`, preceded by the prompt's when echo asked for them (and
+        only those when echo came with max_tokens 0)."""
         if c.logprobs is None:  # prompt_logprobs alone do not make echo return logprobs
             return None
-        if out.prompt_logprobs is None or start > 0:
+        if req.echo_only and start > 0:
+            return None
+        if not req.echo or out.prompt_logprobs is None or start > 0:
             return self._completion_logprobs(c, start, 0, as_ids)
         head = self._echo_logprobs(out, as_ids)
-        tail = self._completion_logprobs(c, 0, sum(len(t) for t in head["tokens"]), as_ids)
+        tail = None if req.echo_only else self._completion_logprobs(c, 0, sum(len(t) for t in head["tokens"]), as_ids)
         return {key: head[key] + (tail[key] if tail else []) for key in head}
 
     def _prompt_logprobs(self, out: RequestOutput) -> list[dict | None] | None:
@@ -318,10 +322,12 @@ class OpenAIServing:
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         if req.stream:
             def chunk(index, out, c, delta, k0):
+                if req.echo_only:
+                    delta = ""
                 if req.echo and k0 == 0:
                     delta = self._prompt_text(out) + delta
                 return {**head, "choices": [{"index": index, "text": delta,
-                                             "logprobs": self._with_echo(out, c, k0, ids),
+                                             "logprobs": self._choice_logprobs(req, out, c, k0, ids),
                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
 
             return self._stream(run, params.n, req.stream_options, chunk,
@@ -332,9 +338,8 @@ class OpenAIServing:
             prefix = self._prompt_text(out) if req.echo else ""
             prompt_logprobs = self._prompt_logprobs(out)
             for c in out.outputs:
-                choices.append({"index": i * params.n + c.index, "text": prefix + c.text,
-                                "logprobs": self._with_echo(out, c, 0, ids) if req.echo
-                                else self._completion_logprobs(c, 0, 0, ids),
+                choices.append({"index": i * params.n + c.index, "text": prefix + ("" if req.echo_only else c.text),
+                                "logprobs": self._choice_logprobs(req, out, c, 0, ids),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                 "prompt_logprobs": prompt_logprobs})
         return {**head, "choices": choices, "usage": self._usage(finals)}

@@ -147,8 +147,15 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's: BOS and the like around a text prompt
 
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's: echo with max_tokens 0 returns the prompt alone (one token is generated and dropped)."""
+        return self.echo and self.max_tokens == 0
+
     def requested_max_tokens(self) -> int:
         """vLLM's: a null max_tokens is OpenAI's default of 16, as an absent one."""
+        if self.echo_only:
+            return 1
         return 16 if self.max_tokens is None else self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
