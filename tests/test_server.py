@@ -224,6 +224,24 @@ def test_max_tokens_left_unset_fills_the_room_the_prompt_leaves_in_max_model_len
     assert none.usage.completion_tokens == 16
 
 
+def test_return_token_ids_puts_the_prompts_and_each_choices_ids_beside_the_text(server, client):
+    extra = {"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=0, extra_body=extra)
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.prompt_token_ids == list(b"Hello") and whole.token_ids == _ids(whole.logprobs.tokens)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert chunks[0].prompt_token_ids == list(b"Hello") and len(whole.token_ids) == 5
+    assert [getattr(c, "prompt_token_ids", None) for c in chunks[1:]] == [None] * (len(chunks) - 1)
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    chat = dict(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, extra_body=extra)
+    reply = client.chat.completions.create(**chat)
+    assert reply.prompt_token_ids == _tokenize_chat(server) and len(reply.choices[0].token_ids) == 4
+    streamed = list(client.chat.completions.create(stream=True, **chat))
+    assert streamed[0].prompt_token_ids == reply.prompt_token_ids
+    assert [t for c in streamed[1:] for t in c.choices[0].token_ids] == reply.choices[0].token_ids
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=1).choices[0].token_ids is None
+
+
 def test_chat_echo_prepends_the_message_the_reply_continues(client):
     conv = [*CHAT, {"role": "assistant", "content": "Sure, the"}]
     kw = dict(model=MODEL, messages=conv, max_tokens=4, temperature=0)
@@ -395,6 +413,20 @@ ERROR_CASES = [  # (name, route, body, status, the error body's param)
      {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 300}, 400, "max_completion_tokens"),
     ("the default 16 past max_model_len", "/v1/completions", {"prompt": [7] * 250}, 400, "max_tokens"),
     ("priority without priority scheduling", "/v1/completions", {"prompt": "x", "priority": 1}, 400, "priority"),
+    ("beam search", "/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ("structured outputs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"choice": ["a", "b"]}}, 400,
+     "structured_outputs"),
+    ("guided_json", "/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("logprob_token_ids", "/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": [5]}, 400,
+     "logprob_token_ids"),
+    ("cache_salt", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": "s"}, 400,
+     "cache_salt"),
+    ("right truncation", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 1, "truncation_side": "right"},
+     400, "truncation_side"),
+    ("prompt_embeds", "/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
+    ("kv_transfer_params", "/v1/completions", {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}, 400,
+     "kv_transfer_params"),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, None),
     ("unknown route", "/v1/nothing", {}, 404, None),
 ]

@@ -324,24 +324,30 @@ class OpenAIServing:
             def chunk(index, out, c, delta, k0):
                 if req.echo_only:
                     delta = ""
-                if req.echo and k0 == 0:
+                if req.echo and k0 == 0 and not req.return_token_ids:  # vLLM echoes ids, not text, then
                     delta = self._prompt_text(out) + delta
-                return {**head, "choices": [{"index": index, "text": delta,
-                                             "logprobs": self._choice_logprobs(req, out, c, k0, ids),
-                                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                choice = {"index": index, "text": delta, "logprobs": self._choice_logprobs(req, out, c, k0, ids),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids[k0:]
+                    if k0 == 0:
+                        choice["prompt_token_ids"] = out.prompt_token_ids
+                return {**head, "choices": [choice]}
 
             return self._stream(run, params.n, req.stream_options, chunk,
                                 usage_chunk=lambda usage: {**head, "choices": [], "usage": usage})
         finals = await self._final(run, len(requests))
         choices = []
         for i, out in enumerate(finals):
-            prefix = self._prompt_text(out) if req.echo else ""
+            prefix = self._prompt_text(out) if req.echo and not req.return_token_ids else ""
             prompt_logprobs = self._prompt_logprobs(out)
+            given = req.return_token_ids
             for c in out.outputs:
                 choices.append({"index": i * params.n + c.index, "text": prefix + ("" if req.echo_only else c.text),
                                 "logprobs": self._choice_logprobs(req, out, c, 0, ids),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                "prompt_logprobs": prompt_logprobs})
+                                "token_ids": c.token_ids if given else None, "prompt_logprobs": prompt_logprobs,
+                                "prompt_token_ids": out.prompt_token_ids if given else None})
         return {**head, "choices": choices, "usage": self._usage(finals)}
 
     # ------------------------------------------------------------------ chat
@@ -397,24 +403,32 @@ class OpenAIServing:
             def opening(index):
                 chunks = [{**chunk_head, "choices": [{"index": index, "delta": {"role": role, "content": ""},
                                                       "logprobs": None, "finish_reason": None}]}]
+                if req.return_token_ids:
+                    chunks[0]["prompt_token_ids"] = prompt
                 if echoed:
                     chunks.append({**chunk_head, "choices": [{"index": index, "delta": {"content": echoed},
                                                               "logprobs": None, "finish_reason": None}]})
                 return chunks
 
             def chunk(index, out, c, delta, k0):
-                return {**chunk_head, "choices": [{"index": index, "delta": {"content": delta} if delta else {},
-                                                   "logprobs": self._chat_logprobs(c, k0, top, ids),
-                                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                choice = {"index": index, "delta": {"content": delta} if delta else {},
+                          "logprobs": self._chat_logprobs(c, k0, top, ids), "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids[k0:]
+                return {**chunk_head, "choices": [choice]}
 
             return self._stream(run, params.n, req.stream_options, chunk, make_heads=opening,
                                 usage_chunk=lambda usage: {**chunk_head, "choices": [], "usage": usage})
         finals = await self._final(run, 1)
+        given = req.return_token_ids
         choices = [{"index": c.index, "message": {"role": role, "content": echoed + c.text},
                     "logprobs": self._chat_logprobs(c, 0, top, ids), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in finals[0].outputs]
+                    "stop_reason": c.stop_reason, "token_ids": c.token_ids if given else None}
+                   for c in finals[0].outputs]
         return {**head, "object": "chat.completion", "choices": choices, "usage": self._usage(finals),
-                "prompt_logprobs": self._prompt_logprobs(finals[0])}
+                "prompt_logprobs": self._prompt_logprobs(finals[0]),
+                "prompt_token_ids": finals[0].prompt_token_ids if given else None}
 
 
 def _usage(prompt: int, completion: int) -> dict:

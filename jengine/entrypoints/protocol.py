@@ -86,6 +86,18 @@ class _Sampling(_Body):
     prompt_logprobs: int | None = None
     priority: Int64 = 0
     request_id: str | None = None
+    return_token_ids: bool = False  # vLLM's: token ids beside the text (the prompt's too)
+    # vLLM's extras jengine cannot honour; refused when set (`check_extras`) rather than silently ignored
+    use_beam_search: bool = False
+    structured_outputs: dict | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
+    logprob_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    kv_transfer_params: dict | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens spelled "token_id:N"
     # Structured output needs guided decoding, which jengine does not have: only plain text is accepted,
@@ -120,8 +132,23 @@ class _Sampling(_Body):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, **kw)
 
-    def check_stream_fields(self) -> None:
-        """vLLM's rules for what only a stream, or only a whole response, can carry."""
+    def check_extras(self) -> None:
+        """vLLM's extra fields: its rules for what only a stream, or only a whole response, can carry, and
+        a 400 for those jengine cannot honour."""
+        unsupported = {
+            "use_beam_search": "beam search is offline only in jengine (LLM.beam_search)",
+            "structured_outputs": "jengine has no guided decoding", "guided_json": "jengine has no guided decoding",
+            "guided_regex": "jengine has no guided decoding", "guided_choice": "jengine has no guided decoding",
+            "guided_grammar": "jengine has no guided decoding",
+            "logprob_token_ids": "logprobs come for the top tokens only",
+            "cache_salt": "the prefix cache is not salted per request",
+            "kv_transfer_params": "jengine has no KV transfer (disaggregated serving)"}
+        for name, why in unsupported.items():
+            if getattr(self, name) not in (None, False):
+                raise ValueError(f"{name} is not supported: {why}")
+        if self.truncation_side == "right":
+            raise ValueError("truncation_side 'right' is not supported: truncate_prompt_tokens keeps the prompt's "
+                             "last tokens ('left')")
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
         if self.prompt_logprobs is not None:
@@ -133,7 +160,7 @@ class _Sampling(_Body):
 
     def with_prompt_logprobs(self, params: SamplingParams, fallback: int | None) -> SamplingParams:
         """`params` asking for the request's prompt_logprobs, else for `fallback` (what echo implies)."""
-        self.check_stream_fields()
+        self.check_extras()
         k = self.prompt_logprobs if self.prompt_logprobs is not None else fallback
         return params if k is None else params.clone(prompt_logprobs=k)
 
@@ -146,6 +173,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's: BOS and the like around a text prompt
+    prompt_embeds: Any = None  # vLLM's; refused (the engine takes token ids)
 
     @property
     def echo_only(self) -> bool:
@@ -166,6 +194,8 @@ class CompletionRequest(_Sampling):
         and so is null, as in vLLM)."""
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.prompt_embeds is not None:
+            raise ValueError("prompt_embeds is not supported: send the prompt as text or token ids")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must equal n when given)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
