@@ -519,12 +519,19 @@ def test_chat_template_file_renders_every_chat_request_and_a_trusted_request_may
     assert own.usage.prompt_tokens == 3
 
 
-def test_documents_reach_the_chat_template(templated_server):
+def test_documents_and_reasoning_effort_reach_the_chat_template(templated_server):
     other = openai.OpenAI(base_url=f"{templated_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     docs = [{"title": "a", "text": "abc"}, {"title": "b", "text": "de"}]
     out = other.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_body={
         "documents": docs, "chat_template": "{% for d in documents %}{{ d['text'] }};{% endfor %}"})
     assert out.usage.prompt_tokens == len("abc;de;")
+    show = {"chat_template": "{{ reasoning_effort }}/{{ enable_thinking }}", "return_token_ids": True}
+    off = {"enable_thinking": False}
+    for extra, text in (({}, "/"), ({"reasoning_effort": "low"}, "low/True"),
+                        ({"reasoning_effort": "none"}, "none/False"),
+                        ({"reasoning_effort": "high", "chat_template_kwargs": off}, "high/False")):
+        out = other.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_body={**show, **extra})
+        assert bytes(out.prompt_token_ids).decode() == text
 
 
 def test_render_chat_adds_the_tokenizers_special_tokens_only_when_asked():

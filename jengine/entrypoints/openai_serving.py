@@ -383,7 +383,7 @@ class OpenAIServing:
                              "--chat-template)")
         return render_chat(self.tokenizer, req.conversation(), add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message, chat_template=template,
-                           chat_template_kwargs=req.chat_template_kwargs, add_special_tokens=add_special_tokens,
+                           chat_template_kwargs=req.template_kwargs(), add_special_tokens=add_special_tokens,
                            documents=documents)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, header_id: str | None = None):

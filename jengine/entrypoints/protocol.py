@@ -235,6 +235,10 @@ class _ChatTemplateOptions(_Body):
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The extra template variables."""
+        return self.chat_template_kwargs
+
 
 class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -251,6 +255,15 @@ class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
     echo: bool = False
     add_special_tokens: bool = False
     documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """vLLM's: reasoning_effort reaches the template as a variable, and switches thinking on (off for
+        "none") unless the request's chat_template_kwargs set enable_thinking themselves."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        kwargs = {"enable_thinking": self.reasoning_effort != "none", **(self.chat_template_kwargs or {})}
+        return {**kwargs, "reasoning_effort": self.reasoning_effort}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
