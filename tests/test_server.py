@@ -193,6 +193,10 @@ def test_prompt_logprobs_of_completions_equal_the_engines_for_the_same_prompt(cl
     assert all(e["decoded_token"] == tok.decode([int(t)]) for pos in first[1:] for t, e in pos.items())
     assert out.choices[0].logprobs is None  # prompt_logprobs alone add no completion logprobs
     assert client.completions.create(model=MODEL, prompt=ids, max_tokens=1).choices[0].prompt_logprobs is None
+    # 0 is allowed with stream (vLLM's rule); without echo they stay out of the streamed logprobs
+    streamed = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, logprobs=0, stream=True,
+                                         extra_body={"prompt_logprobs": 0, "ignore_eos": True})
+    assert sum(len(c.choices[0].logprobs.tokens) for c in streamed if c.choices and c.choices[0].logprobs) == 2
 
 
 def test_prompt_logprobs_of_a_chat_sit_at_the_top_of_the_response_and_equal_the_engines(server, client, llm):
