@@ -30,10 +30,12 @@ def token_ids(prompt, vocab: int) -> list[int]:
 
 def tokenize_prompt(prompt, tokenizer, vocab: int) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt given as text, a list of token ids, or {"prompt": ...} /
-    {"prompt_token_ids": ...}; text needs `tokenizer`."""
+    {"prompt_token_ids": ...} (with "prompt" beside it: ids already made from that text, which is kept);
+    text needs `tokenizer`."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            prompt = prompt["prompt_token_ids"]
+            text = prompt.get("prompt")
+            return (text if isinstance(text, str) else None), token_ids(prompt["prompt_token_ids"], vocab)
         elif "prompt" in prompt:
             prompt = prompt["prompt"]
         else:

@@ -77,10 +77,13 @@ def byte_tokenizer():
 
 def render_chat(tokenizer, conversation: list[dict], *, add_generation_prompt: bool,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict | None = None) -> list[int]:
+                chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
+                documents: list[dict] | None = None) -> list[int]:
     """The prompt token ids of one conversation rendered with `chat_template` (else the tokenizer's own),
-    `chat_template_kwargs` as extra template variables. The template writes every special token it
-    wants, so none are added in encoding. Options a caller can get wrong are ValueErrors naming them."""
+    `chat_template_kwargs` as extra template variables and `documents` (RAG) for templates that read them.
+    The template writes every special token it wants, so by default none are added in encoding
+    (`add_special_tokens`, vLLM's, adds the tokenizer's on top). Options a caller can get wrong are
+    ValueErrors naming them."""
     check_bool("add_generation_prompt", add_generation_prompt)
     check_bool("continue_final_message", continue_final_message)
     if continue_final_message and add_generation_prompt:
@@ -89,6 +92,7 @@ def render_chat(tokenizer, conversation: list[dict], *, add_generation_prompt: b
     if chat_template is not None and not isinstance(chat_template, str):
         raise ValueError("chat_template must be a Jinja template string or None, got "
                          f"{type(chat_template).__name__}")
+    check_bool("add_special_tokens", add_special_tokens)
     kwargs = {} if chat_template_kwargs is None else chat_template_kwargs
     if not isinstance(kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict or None, got {type(kwargs).__name__}")
@@ -104,7 +108,8 @@ def render_chat(tokenizer, conversation: list[dict], *, add_generation_prompt: b
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message,
-                                             chat_template=chat_template, **kwargs)
+                                             chat_template=chat_template,
+                                             **({} if documents is None else {"documents": documents}), **kwargs)
     except Exception as e:  # a template that rejects the conversation (roles, order) or fails to compile
         raise ValueError(f"the chat template rejected the messages: {e}") from e
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -286,14 +286,16 @@ def test_a_chat_request_takes_the_defaults_for_what_it_leaves_unset():
     assert ChatCompletionRequest(messages=HI).to_sampling_params({}) == SamplingParams(max_tokens=None)
 
 
-def test_a_completion_request_keeps_openais_max_tokens_default_of_16():
+def test_a_completion_request_keeps_openais_max_tokens_default_of_16_even_when_sent_null_as_in_vllm():
     params = CompletionRequest(prompt="a").to_sampling_params(DEFAULTS)
     assert params == SamplingParams(**{**DEFAULTS, "max_tokens": 16})
-    assert CompletionRequest(prompt="a", max_tokens=None).to_sampling_params(DEFAULTS).max_tokens == 33
+    assert CompletionRequest(prompt="a", max_tokens=None).to_sampling_params(DEFAULTS).max_tokens == 16
     assert CompletionRequest(prompt="a", temperature=0).to_sampling_params(DEFAULTS).is_greedy
 
 
-def test_the_server_applies_a_generation_config_directory_to_requests_that_leave_fields_unset(tmp_path):
+def test_the_server_applies_a_generation_config_directory_to_requests_and_its_max_new_tokens_caps_them(tmp_path):
+    """As vLLM's server: a --generation-config directory's max_new_tokens is a ceiling for every request (a
+    model directory's own file gives only a default: `test_max_tokens_is_vllms_smallest_of_...`)."""
     srv = Server("--generation-config", _write(tmp_path, {"temperature": 0.0, "max_new_tokens": 5}))
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
@@ -305,10 +307,58 @@ def test_the_server_applies_a_generation_config_directory_to_requests_that_leave
         assert defaulted[0].choices[0].message.content == defaulted[1].choices[0].message.content
         assert defaulted[0].choices[0].message.content == greedy.choices[0].message.content
         assert chat(max_tokens=2).usage.completion_tokens == 2
+        assert [chat(max_tokens=9).usage.completion_tokens, chat(max_completion_tokens=200).usage.completion_tokens] \
+            == [5, 5]
         text = lambda **kw: client.completions.create(  # noqa: E731
             model=MODEL, prompt="Hello", extra_body={"ignore_eos": True}, **kw)
         completion = text()
-        assert completion.usage.completion_tokens == 16  # OpenAI's default for completions
-        assert completion.choices[0].text == text(temperature=0, max_tokens=16).choices[0].text
+        assert completion.usage.completion_tokens == 5  # OpenAI's default of 16, capped
+        assert completion.choices[0].text == text(temperature=0, max_tokens=5).choices[0].text
+        with pytest.raises(openai.BadRequestError, match="max_model_len=256") as err:
+            chat(max_tokens=300)  # more than the context holds is an error even above the ceiling, as in vLLM
+        assert err.value.param == "max_tokens"
     finally:
         assert srv.stop() == 0
+
+
+def test_max_tokens_is_vllms_smallest_of_the_request_or_default_the_prompts_room_and_the_ceiling():
+    from jengine.entrypoints.max_tokens import generation_ceiling, max_tokens_for
+
+    # A --generation-config directory's max_new_tokens caps every request; the model directory's own file
+    # ("auto") and "vllm" give no cap; --override-generation-config's caps in any mode (a null one unsets it).
+    assert generation_ceiling("/a/dir", {"max_tokens": 5}, None) == 5
+    assert generation_ceiling("auto", {"max_tokens": 5}, None) is generation_ceiling("vllm", {}, None) is None
+    assert generation_ceiling("auto", {"max_tokens": 7}, {"max_new_tokens": 7, "top_k": 3}) == 7
+    assert generation_ceiling("auto", {}, {"max_new_tokens": None}) is None
+
+    def fit(prompt_len, requested, **kw):
+        return max_tokens_for(prompt_len, requested, max_model_len=100, **kw)
+
+    assert (fit(10, None), fit(10, None, default=33), fit(80, None, default=33), fit(99, None)) == (90, 33, 20, 1)
+    assert (fit(10, 50, default=33), fit(10, 50, ceiling=5), fit(10, None, default=33, ceiling=5)) == (50, 5, 5)
+    with pytest.raises(ValueError, match=r"^max_completion_tokens=91 plus the prompt's 10 tokens is 101, more than "
+                                         r"max_model_len=100; ask for at most 90"):
+        fit(10, 91, ceiling=5, param="max_completion_tokens")  # the request's own value is checked, as in vLLM
+    with pytest.raises(ValueError, match="prompt of 100 tokens leaves no room to generate"):
+        fit(100, None)
+
+
+@pytest.mark.parametrize("setting,override,request_max,want", [
+    ("auto", None, None, 33), ("auto", None, 50, 50),  # the model's own file: a default only
+    ("DIR", None, None, 33), ("DIR", None, 50, 33),  # --generation-config DIR: a ceiling
+    ("auto", {"max_new_tokens": 20}, 50, 20), ("vllm", None, None, 256 - 3),
+])
+def test_the_server_takes_max_tokens_by_vllms_rule_for_each_generation_config_mode(tmp_path, setting, override,
+                                                                                    request_max, want):
+    from types import SimpleNamespace
+
+    from jengine.entrypoints.openai_serving import OpenAIServing
+
+    setting = str(tmp_path) if setting == "DIR" else setting
+    config = EngineConfig(model=FIXTURE, max_model_len=256, generation_config=setting,
+                          override_generation_config=override)
+    defaults = {} if setting == "vllm" else {"max_tokens": 33 if override is None else override["max_new_tokens"]}
+    engine = SimpleNamespace(config=config, model_config=None, sampling_defaults=defaults)
+    serving = OpenAIServing(SimpleNamespace(engine=engine), "m", None)
+    req = ChatCompletionRequest(messages=HI, max_completion_tokens=request_max)
+    assert serving._with_max_tokens(req, req.to_sampling_params(defaults), [1, 2, 3]).max_tokens == want

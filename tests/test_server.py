@@ -28,6 +28,13 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
+@pytest.fixture(scope="module")
+def llm():
+    """The server's engine in this process, to hold its answers to."""
+    return LLM(MODEL, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64),
+               seq_buckets=(8,), use_tqdm_on_load=False)
+
+
 def _ids(logprobs_tokens) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in logprobs_tokens]
 
@@ -39,7 +46,7 @@ def test_health_version_and_models(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
-def test_greedy_completions_equal_llm_generate(client):
+def test_greedy_completions_equal_llm_generate(client, llm):
     async def all_at_once():
         aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key=API_KEY, max_retries=0, timeout=60)
         return await asyncio.gather(*(aclient.completions.create(
@@ -47,8 +54,6 @@ def test_greedy_completions_equal_llm_generate(client):
             for p in PROMPTS))
 
     served = [_ids(r.choices[0].logprobs.tokens) for r in asyncio.run(all_at_once())]
-    llm = LLM(MODEL, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64),
-              seq_buckets=(8,), use_tqdm_on_load=False)
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert served == [e.outputs[0].token_ids for e in expected]
 
@@ -123,6 +128,157 @@ def test_chat_streaming_with_usage_and_logprobs(client):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def test_continuous_usage_stats_put_each_choices_running_count_on_every_completion_chunk(client):
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=7, temperature=1.0, seed=5, n=2, logprobs=0, stream=True,
+              extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(stream_options=CONTINUOUS, **kw))
+    *choice_chunks, last = chunks
+    counted = {0: 0, 1: 0}
+    for chunk in choice_chunks:
+        (c,) = chunk.choices
+        counted[c.index] += len(c.logprobs.tokens)
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens) == \
+            (5, counted[c.index], 5 + counted[c.index])
+    assert counted == {0: 7, 1: 7} and len(choice_chunks) > 2
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (5, 14)
+    plain = list(client.completions.create(stream_options={"include_usage": True}, **kw))
+    assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]
+
+
+def test_continuous_usage_stats_count_up_on_every_chat_chunk_from_zero(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi there"}], max_tokens=6, temperature=0,
+              logprobs=True, stream=True, extra_body={"ignore_eos": True})
+    *chunks, last = list(client.chat.completions.create(stream_options=CONTINUOUS, **kw))
+    prompt = last.usage.prompt_tokens
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+    seen = 0
+    for chunk in chunks:
+        seen += len(chunk.choices[0].logprobs.content) if chunk.choices[0].logprobs else 0
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens) == \
+            (prompt, seen, prompt + seen)
+    assert seen == 6 and last.choices == [] and last.usage.completion_tokens == 6 and prompt > 0
+
+
+def _plain_prompt_logprobs(out) -> list:
+    """LLM's prompt logprobs as the server writes them (token ids as keys)."""
+    return [None if pos is None else {str(t): (lp.rank, lp.logprob) for t, lp in pos.items()}
+            for pos in out.prompt_logprobs]
+
+
+def _served(prompt_logprobs) -> list:
+    return [None if pos is None else {t: (e["rank"], e["logprob"]) for t, e in pos.items()}
+            for pos in prompt_logprobs]
+
+
+def test_prompt_logprobs_of_completions_equal_the_engines_for_the_same_prompt(client, llm):
+    from jengine.tokenizer import load_tokenizer
+
+    ids = [72, 101, 108, 108, 111, 44, 32]
+    out = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=2, temperature=0, n=2,
+                                    extra_body={"prompt_logprobs": 3, "ignore_eos": True})
+    first, second = out.choices[0].prompt_logprobs, out.choices[2].prompt_logprobs
+    assert out.choices[1].prompt_logprobs == first and len(first) == 7 and len(second) == 3
+    assert first[0] is None and all(len(pos) in (3, 4) and str(t) in pos for t, pos in zip(ids[1:], first[1:]))
+    want = llm.generate([ids, ids[:3]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+                        use_tqdm=False)
+    for served, expected in ((first, want[0]), (second, want[1])):
+        got, exp = _served(served), _plain_prompt_logprobs(expected)
+        assert [None if p is None else {t: r for t, (r, _) in p.items()} for p in got] == \
+            [None if p is None else {t: r for t, (r, _) in p.items()} for p in exp]
+        assert all(abs(got[i][t][1] - exp[i][t][1]) < 1e-4 for i in range(1, len(exp)) for t in exp[i])
+    tok = load_tokenizer(MODEL)
+    assert all(e["decoded_token"] == tok.decode([int(t)]) for pos in first[1:] for t, e in pos.items())
+    assert out.choices[0].logprobs is None  # prompt_logprobs alone add no completion logprobs
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=1).choices[0].prompt_logprobs is None
+    # 0 is allowed with stream (vLLM's rule); without echo they stay out of the streamed logprobs
+    streamed = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, logprobs=0, stream=True,
+                                         extra_body={"prompt_logprobs": 0, "ignore_eos": True})
+    assert sum(len(c.choices[0].logprobs.tokens) for c in streamed if c.choices and c.choices[0].logprobs) == 2
+
+
+def test_prompt_logprobs_of_a_chat_sit_at_the_top_of_the_response_and_equal_the_engines(server, client, llm):
+    messages = [{"role": "user", "content": "Hi there"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                         extra_body={"prompt_logprobs": 0})
+    ids = _tokenize_chat(server, messages=messages)
+    assert len(out.prompt_logprobs) == out.usage.prompt_tokens == len(ids) and out.prompt_logprobs[0] is None
+    assert all(list(pos) == [str(t)] for t, pos in zip(ids[1:], out.prompt_logprobs[1:]))  # k=0: the token alone
+    (want,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    got, exp = _served(out.prompt_logprobs), _plain_prompt_logprobs(want)
+    assert all(got[i][t][0] == exp[i][t][0] and abs(got[i][t][1] - exp[i][t][1]) < 1e-4
+               for i in range(1, len(ids)) for t in exp[i])
+    # prompt_logprobs=0 is allowed with stream (vLLM's rule); a stream has no place for them
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
+                                                 extra_body={"prompt_logprobs": 0}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_max_tokens_left_unset_fills_the_room_the_prompt_leaves_in_max_model_len(server, client):
+    content = "x" * 230
+    prompt = len(_tokenize_chat(server, messages=[{"role": "user", "content": content}]))
+    assert 230 < prompt < 250
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (256 - prompt, "length")
+    # a completion's max_tokens is OpenAI's 16 when left out or sent null, as in vLLM
+    none = client.completions.create(model=MODEL, prompt="Hi", max_tokens=None, extra_body={"ignore_eos": True})
+    assert none.usage.completion_tokens == 16
+
+
+def test_return_token_ids_puts_the_prompts_and_each_choices_ids_beside_the_text(server, client):
+    extra = {"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=0, extra_body=extra)
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.prompt_token_ids == list(b"Hello") and whole.token_ids == _ids(whole.logprobs.tokens)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert chunks[0].prompt_token_ids == list(b"Hello") and len(whole.token_ids) == 5
+    assert [getattr(c, "prompt_token_ids", None) for c in chunks[1:]] == [None] * (len(chunks) - 1)
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    chat = dict(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, extra_body=extra)
+    reply = client.chat.completions.create(**chat)
+    assert reply.prompt_token_ids == _tokenize_chat(server) and len(reply.choices[0].token_ids) == 4
+    streamed = list(client.chat.completions.create(stream=True, **chat))
+    assert streamed[0].prompt_token_ids == reply.prompt_token_ids
+    assert [t for c in streamed[1:] for t in c.choices[0].token_ids] == reply.choices[0].token_ids
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=1).choices[0].token_ids is None
+
+
+def test_chat_echo_prepends_the_message_the_reply_continues(client):
+    conv = [*CHAT, {"role": "assistant", "content": "Sure, the"}]
+    kw = dict(model=MODEL, messages=conv, max_tokens=4, temperature=0)
+    opts = {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+    plain = client.chat.completions.create(**kw, extra_body=opts).choices[0].message
+    echoed = client.chat.completions.create(**kw, extra_body={**opts, "echo": True})
+    reply = echoed.choices[0].message
+    assert (reply.role, reply.content) == ("assistant", "Sure, the" + plain.content)
+    assert echoed.prompt_logprobs is not None and echoed.usage.completion_tokens == 4
+    streamed = list(client.chat.completions.create(**kw, stream=True, extra_body={**opts, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == "Sure, the" + plain.content
+    # after a generation prompt the reply is the assistant's own turn: nothing to echo
+    turn = dict(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
+    assert client.chat.completions.create(**turn, extra_body={"echo": True}).choices[0].message.content == \
+        client.chat.completions.create(**turn).choices[0].message.content
+
+
+def test_a_requests_id_names_its_response_the_header_first_and_may_repeat(server, client):
+    kw = dict(model=MODEL, prompt="Hi", max_tokens=2)
+    assert client.completions.create(**kw, extra_body={"request_id": "mine"}).id == "cmpl-mine"
+    chat = dict(model=MODEL, messages=CHAT, max_tokens=2)
+    assert client.chat.completions.create(**chat, extra_headers={"X-Request-Id": "hdr"},
+                                          extra_body={"request_id": "body"}).id == "chatcmpl-hdr"
+
+    async def twice():
+        aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+        return await asyncio.gather(*(aclient.completions.create(**kw, extra_body={"request_id": "same"})
+                                      for _ in range(2)))
+
+    assert [r.id for r in asyncio.run(twice())] == ["cmpl-same"] * 2
+    assert client.completions.create(**kw, extra_body={"priority": 0}).usage.completion_tokens == 2
+
+
 def test_n_and_seed_give_reproducible_samples(client):
     kw = dict(model=MODEL, prompt="Once upon", max_tokens=8, temperature=1.0, n=3, seed=7,
               extra_body={"ignore_eos": True})
@@ -151,6 +307,27 @@ def test_echo_with_logprobs_scores_the_prompt_tokens(client):
     assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
     assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
     assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs_alone(client):
+    kw = dict(model=MODEL, prompt=[72, 101, 108, 108, 111], echo=True, logprobs=1)
+    alone = client.completions.create(max_tokens=0, **kw).choices[0]
+    scored = client.completions.create(max_tokens=1, temperature=0, **kw).choices[0]
+    assert alone.text == "Hello" and len(scored.text) > len("Hello") and alone.finish_reason == "length"
+    assert alone.logprobs.tokens == scored.logprobs.tokens[:5] and alone.logprobs.token_logprobs[0] is None
+    assert alone.logprobs.token_logprobs == scored.logprobs.token_logprobs[:5]
+    streamed = [c.choices[0] for c in client.completions.create(max_tokens=0, stream=True, **kw) if c.choices]
+    assert "".join(c.text for c in streamed) == "Hello"
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == alone.logprobs.tokens
+
+
+def test_a_prompt_dict_of_ids_made_from_its_text_keeps_the_text_for_echo():
+    from jengine.prompts import tokenize_prompt
+
+    assert tokenize_prompt({"prompt": "hi", "prompt_token_ids": [104, 105]}, None, 256) == ("hi", [104, 105])
+    assert tokenize_prompt({"prompt_token_ids": [1]}, None, 256) == (None, [1])
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers in \[0, 256\)"):
+        tokenize_prompt({"prompt": "hi", "prompt_token_ids": [999]}, None, 256)
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client):
@@ -187,6 +364,7 @@ ERROR_CASES = [  # (name, route, body, status, the error body's param)
      "repetition_penalty"),
     ("n too large", "/v1/completions", {"prompt": "x", "n": 1000}, 400, "n"),
     ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens 0 without echo", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("prompt too long", "/v1/completions", {"prompt": "x" * 400, "max_tokens": 4}, 400, None),
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),
@@ -218,6 +396,41 @@ ERROR_CASES = [  # (name, route, body, status, the error body's param)
      "truncate_prompt_tokens"),
     ("truncate_prompt_tokens past max_model_len", "/v1/completions",
      {"prompt": "x", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens"),
+    ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("stream_options without stream in chat", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "stream": False,
+      "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, 400, "stream_options"),
+    ("prompt_logprobs -1 (all)", "/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("prompt_logprobs negative", "/v1/completions", {"prompt": "x", "prompt_logprobs": -2}, 400, "prompt_logprobs"),
+    ("prompt_logprobs too many", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("prompt_logprobs not an int", "/v1/completions", {"prompt": "x", "prompt_logprobs": "two"}, 400,
+     "prompt_logprobs"),
+    ("prompt_logprobs with stream", "/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs"),
+    ("prompt_logprobs with stream in chat", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs"),
+    ("max_tokens past max_model_len", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 250}, 400, "max_tokens"),
+    ("max_completion_tokens past max_model_len", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 300}, 400, "max_completion_tokens"),
+    ("the default 16 past max_model_len", "/v1/completions", {"prompt": [7] * 250}, 400, "max_tokens"),
+    ("priority without priority scheduling", "/v1/completions", {"prompt": "x", "priority": 1}, 400, "priority"),
+    ("beam search", "/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ("structured outputs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"choice": ["a", "b"]}}, 400,
+     "structured_outputs"),
+    ("guided_json", "/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("logprob_token_ids", "/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": [5]}, 400,
+     "logprob_token_ids"),
+    ("cache_salt", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": "s"}, 400,
+     "cache_salt"),
+    ("right truncation", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 1, "truncation_side": "right"},
+     400, "truncation_side"),
+    ("prompt_embeds", "/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
+    ("kv_transfer_params", "/v1/completions", {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}, 400,
+     "kv_transfer_params"),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, None),
     ("unknown route", "/v1/nothing", {}, 404, None),
 ]
@@ -249,7 +462,7 @@ FILE_TEMPLATE = ("{% if shout %}LOUD {% endif %}{% for m in messages %}[{{ m['ro
 
 
 def _tokenize_chat(srv, **body) -> list[int]:
-    r = httpx.post(f"{srv.url}/tokenize", json={"messages": CHAT, **body}, timeout=30)
+    r = httpx.post(f"{srv.url}/tokenize", json={"messages": CHAT} | body, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["tokens"]
 
@@ -308,6 +521,38 @@ def test_chat_template_file_renders_every_chat_request_and_a_trusted_request_may
     assert loud.usage.prompt_tokens == len("LOUD [user] hi\n[assistant] ")
     own = other.chat.completions.create(**kw, extra_body={"chat_template": "{{ messages[0]['content'] }}!"})
     assert own.usage.prompt_tokens == 3
+
+
+def test_documents_and_reasoning_effort_reach_the_chat_template(templated_server):
+    other = openai.OpenAI(base_url=f"{templated_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    docs = [{"title": "a", "text": "abc"}, {"title": "b", "text": "de"}]
+    out = other.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_body={
+        "documents": docs, "chat_template": "{% for d in documents %}{{ d['text'] }};{% endfor %}"})
+    assert out.usage.prompt_tokens == len("abc;de;")
+    show = {"chat_template": "{{ reasoning_effort }}/{{ enable_thinking }}", "return_token_ids": True}
+    off = {"enable_thinking": False}
+    for extra, text in (({}, "/"), ({"reasoning_effort": "low"}, "low/True"),
+                        ({"reasoning_effort": "none"}, "none/False"),
+                        ({"reasoning_effort": "high", "chat_template_kwargs": off}, "high/False")):
+        out = other.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_body={**show, **extra})
+        assert bytes(out.prompt_token_ids).decode() == text
+
+
+def test_render_chat_adds_the_tokenizers_special_tokens_only_when_asked():
+    from jengine.tokenizer import render_chat
+
+    class Tokenizer:
+        chat_template = "unused"
+
+        def apply_chat_template(self, conversation, tokenize, **kw):
+            return "".join(d["text"] for d in kw.get("documents") or ()) + conversation[-1]["content"]
+
+        def encode(self, text, add_special_tokens):
+            return [1] * add_special_tokens + list(text.encode())
+
+    assert render_chat(Tokenizer(), CHAT, add_generation_prompt=True) == list(b"hi")
+    assert render_chat(Tokenizer(), CHAT, add_generation_prompt=True, add_special_tokens=True,
+                       documents=[{"text": "d"}]) == [1, *b"dhi"]
 
 
 def test_serve_cli_chat_template_is_a_file_or_the_template_itself(tmp_path, capsys):

@@ -130,15 +130,17 @@ def build_app(llm: AsyncLLM, model_name: str, *, tokenizer=None, api_key: str | 
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
+        make = serving.create_completion(req, raw.headers.get("x-request-id"))
         if req.stream:
-            return await _respond(raw, serving.create_completion(req))
-        return await _unless_disconnected(raw, _respond(raw, serving.create_completion(req)))
+            return await _respond(raw, make)
+        return await _unless_disconnected(raw, _respond(raw, make))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        make = serving.create_chat_completion(req, raw.headers.get("x-request-id"))
         if req.stream:
-            return await _respond(raw, serving.create_chat_completion(req))
-        return await _unless_disconnected(raw, _respond(raw, serving.create_chat_completion(req)))
+            return await _respond(raw, make)
+        return await _unless_disconnected(raw, _respond(raw, make))
 
     def _need_tokenizer():
         if tokenizer is None:

@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator
 
 from jengine.async_llm import AsyncLLM
 from jengine.entrypoints.errors import APIError
+from jengine.entrypoints.max_tokens import generation_ceiling, max_tokens_for
 from jengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, check_fits_engine
 from jengine.outputs import CompletionOutput, RequestOutput
+from jengine.prompts import truncated
 from jengine.sampling_params import RequestOutputKind, SamplingParams
 from jengine.tokenizer import render_chat
 
@@ -42,13 +44,15 @@ def _accumulate(previous: RequestOutput | None, delta: RequestOutput) -> Request
 
 
 class _Run:
-    """The generate streams of one API request, merged into one queue of (prompt index, item)."""
+    """The generate streams of one API request (a prompt and its params each), merged into one queue of
+    (prompt index, item)."""
 
-    def __init__(self, llm: AsyncLLM, prompts: list, params: SamplingParams, base_id: str):
+    def __init__(self, llm: AsyncLLM, requests: list[tuple], base_id: str, priority: int = 0):
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.tasks = [asyncio.create_task(self._pump(i, llm.generate(p, params, f"{base_id}-{i}")))
-                      for i, p in enumerate(prompts)]
+        self.tasks = [asyncio.create_task(self._pump(i, llm.generate(p, params, f"{base_id}-{i}", priority=priority)))
+                      for i, (p, params) in enumerate(requests)]
         self.pending: list[tuple[int, RequestOutput]] = []
+        self.prompt_lens: dict[int, int] = {}
 
     async def _pump(self, i: int, gen: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -68,6 +72,7 @@ class _Run:
                 raise item
             started.add(i)
             self.pending.append((i, item))
+            self.prompt_lens[i] = len(getattr(item, "prompt_token_ids", None) or ())
 
     async def items(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         done = 0
@@ -102,6 +107,8 @@ class OpenAIServing:
         self.engine_config = llm.engine.config
         self.model_config = llm.engine.model_config
         self.sampling_defaults = llm.engine.sampling_defaults  # from the model's generation config
+        self.max_tokens_ceiling = generation_ceiling(self.engine_config.generation_config, self.sampling_defaults,
+                                                     self.engine_config.override_generation_config)
         self._token_strs: dict[int, str] = {}
 
     # ------------------------------------------------------------------ shared
@@ -120,6 +127,31 @@ class OpenAIServing:
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         return params.clone(output_kind=kind, flat_logprobs=True)
 
+    def _with_max_tokens(self, req, params: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
+        """`params` with vLLM's max_tokens for this prompt (`jengine.entrypoints.max_tokens`)."""
+        prompt_len = len(truncated(prompt_ids, params.truncate_prompt_tokens, self.engine_config.max_model_len))
+        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        n = max_tokens_for(prompt_len, req.requested_max_tokens(), max_model_len=self.engine_config.max_model_len,
+                           default=self.sampling_defaults.get("max_tokens"), ceiling=self.max_tokens_ceiling,
+                           param=param)
+        return params if n == params.max_tokens else params.clone(max_tokens=n)
+
+    def _priority(self, req) -> int:
+        if req.priority != 0 and self.engine_config.scheduling_policy != "priority":
+            raise ValueError(f"priority={req.priority} needs priority scheduling; this server schedules first "
+                             f"come, first served (scheduling_policy={self.engine_config.scheduling_policy!r})")
+        return req.priority
+
+    @staticmethod
+    def _ids(prefix: str, req, header_id: str | None) -> tuple[str, str]:
+        """(the response's id, the engine's base id): vLLM's X-Request-Id header, else the body's request_id,
+        else a random one. A client's id may repeat, so the engine's gets a random tail."""
+        given = header_id or req.request_id
+        if not given:
+            rid = f"{prefix}-{uuid.uuid4().hex}"
+            return rid, rid
+        return f"{prefix}-{given}", f"{prefix}-{given}-{uuid.uuid4().hex[:8]}"
+
     def token_str(self, tid: int, as_id: bool = False) -> str:
         if as_id:
             return f"token_id:{tid}"
@@ -129,8 +161,8 @@ class OpenAIServing:
             self._token_strs[tid] = s
         return s
 
-    async def _start(self, prompts: list, params: SamplingParams, base_id: str) -> _Run:
-        run = _Run(self.llm, prompts, params, base_id)
+    async def _start(self, requests: list[tuple], base_id: str, priority: int) -> _Run:
+        run = _Run(self.llm, requests, base_id, priority)
         try:
             await run.start()
         except BaseException:
@@ -151,23 +183,30 @@ class OpenAIServing:
     def _usage(finals: list[RequestOutput]) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in finals)
         completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return _usage(prompt, completion)
 
     @staticmethod
     def _sse(payload: dict) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    async def _stream(self, run: _Run, n: int, include_usage: bool, make_chunk, make_head=None,
+    async def _stream(self, run: _Run, n: int, stream_options, make_chunk, make_heads=None,
                       usage_chunk=None) -> AsyncIterator[str]:
-        """SSE events: per choice, new text/tokens since the previous event; then usage and [DONE]."""
+        """SSE events: per choice, its opening chunks (`make_heads`), then new text/tokens since the previous
+        event; then usage and [DONE]. With vLLM's continuous_usage_stats every chunk carries its choice's
+        usage so far (the prompt's tokens and the choice's own completion tokens)."""
+        include_usage = bool(stream_options and stream_options.include_usage)
+        continuous = include_usage and stream_options.continuous_usage_stats
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
         latest: dict[int, RequestOutput] = {}
         try:
-            if make_head is not None:
+            if make_heads is not None:
                 for index in range(len(run.tasks) * n):
-                    yield self._sse(make_head(index))
+                    for head in make_heads(index):
+                        if continuous:
+                            head["usage"] = _usage(run.prompt_lens.get(index // n, 0), 0)
+                        yield self._sse(head)
             async for i, out in run.items():
                 out = latest[i] = _accumulate(latest.get(i), out)
                 for c in out.outputs:
@@ -181,7 +220,10 @@ class OpenAIServing:
                     sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                     if c.finish_reason is not None:
                         finished.add(index)
-                    yield self._sse(make_chunk(index, out, c, delta, k0))
+                    chunk = make_chunk(index, out, c, delta, k0)
+                    if continuous:
+                        chunk["usage"] = _usage(len(out.prompt_token_ids), len(c.token_ids))
+                    yield self._sse(chunk)
             if include_usage:
                 finals = [latest[i] for i in sorted(latest)]
                 yield self._sse(usage_chunk(self._usage(finals)))
@@ -224,47 +266,88 @@ class OpenAIServing:
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _with_echo(self, out: RequestOutput, c: CompletionOutput, start: int, as_ids: bool) -> dict | None:
-        """Completion logprobs from token `start`, preceded by the prompt's when echo asked for them."""
-        if out.prompt_logprobs is None or start > 0:
+    def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, start: int,
+                         as_ids: bool) -> dict | None:
+        """Completion logprobs from token `start`, preceded by the prompt's when echo asked for them (and
+        only those when echo came with max_tokens 0)."""
+        if c.logprobs is None:  # prompt_logprobs alone do not make echo return logprobs
+            return None
+        if req.echo_only and start > 0:
+            return None
+        if not req.echo or out.prompt_logprobs is None or start > 0:
             return self._completion_logprobs(c, start, 0, as_ids)
         head = self._echo_logprobs(out, as_ids)
-        tail = self._completion_logprobs(c, 0, sum(len(t) for t in head["tokens"]), as_ids)
+        tail = None if req.echo_only else self._completion_logprobs(c, 0, sum(len(t) for t in head["tokens"]), as_ids)
         return {key: head[key] + (tail[key] if tail else []) for key in head}
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt position, {token id: {logprob, rank, decoded_token}} for the
+        prompt's token and the top k; None at the first position, which nothing predicts."""
+        flat = out.prompt_logprobs  # a FlatLogprobs: `_params` asks for flat logprobs
+        if flat is None:
+            return None
+        positions = []
+        for pos in range(len(out.prompt_token_ids)):
+            ids, lps, ranks = flat.position(pos) if pos < len(flat) else ((), (), ())
+            positions.append({str(t): {"logprob": max(lp, -9999.0), "rank": r,
+                                       "decoded_token": self.token_str(t) if self.tokenizer is not None else None}
+                              for t, lp, r in zip(ids, lps, ranks)} or None)
+        return positions
+
+    def _completion_prompt(self, prompt, add_special_tokens: bool) -> tuple:
+        """(what the engine gets, the prompt's token ids): a text prompt is tokenized here, as in vLLM, so
+        that its length sets max_tokens; the engine keeps the text for echo."""
+        if not isinstance(prompt, str):
+            return prompt, list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; send token ids")
+        ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        return {"prompt": prompt, "prompt_token_ids": ids}, ids
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
             return out.prompt
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
-    async def create_completion(self, req: CompletionRequest):
+    async def create_completion(self, req: CompletionRequest, header_id: str | None = None):
         self.check_model(req.model)
         params = self._params(req)
-        prompts = req.prompts()
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        run = await self._start(prompts, params, rid)
+        requests = []
+        for prompt in req.prompts():
+            engine_prompt, ids = self._completion_prompt(prompt, req.add_special_tokens)
+            requests.append((engine_prompt, self._with_max_tokens(req, params, ids)))
+        (rid, base_id), created = self._ids("cmpl", req, header_id), int(time.time())
+        run = await self._start(requests, base_id, self._priority(req))
         ids = req.return_tokens_as_token_ids
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         if req.stream:
             def chunk(index, out, c, delta, k0):
-                if req.echo and k0 == 0:
+                if req.echo_only:
+                    delta = ""
+                if req.echo and k0 == 0 and not req.return_token_ids:  # vLLM echoes ids, not text, then
                     delta = self._prompt_text(out) + delta
-                return {**head, "choices": [{"index": index, "text": delta,
-                                             "logprobs": self._with_echo(out, c, k0, ids),
-                                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                choice = {"index": index, "text": delta, "logprobs": self._choice_logprobs(req, out, c, k0, ids),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids[k0:]
+                    if k0 == 0:
+                        choice["prompt_token_ids"] = out.prompt_token_ids
+                return {**head, "choices": [choice]}
 
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._stream(run, params.n, include_usage, chunk,
+            return self._stream(run, params.n, req.stream_options, chunk,
                                 usage_chunk=lambda usage: {**head, "choices": [], "usage": usage})
-        finals = await self._final(run, len(prompts))
+        finals = await self._final(run, len(requests))
         choices = []
         for i, out in enumerate(finals):
-            prefix = self._prompt_text(out) if req.echo else ""
+            prefix = self._prompt_text(out) if req.echo and not req.return_token_ids else ""
+            prompt_logprobs = self._prompt_logprobs(out)
+            given = req.return_token_ids
             for c in out.outputs:
-                choices.append({"index": i * params.n + c.index, "text": prefix + c.text,
-                                "logprobs": self._with_echo(out, c, 0, ids) if req.echo
-                                else self._completion_logprobs(c, 0, 0, ids),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choices.append({"index": i * params.n + c.index, "text": prefix + ("" if req.echo_only else c.text),
+                                "logprobs": self._choice_logprobs(req, out, c, 0, ids),
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                "token_ids": c.token_ids if given else None, "prompt_logprobs": prompt_logprobs,
+                                "prompt_token_ids": out.prompt_token_ids if given else None})
         return {**head, "choices": choices, "usage": self._usage(finals)}
 
     # ------------------------------------------------------------------ chat
@@ -287,7 +370,8 @@ class OpenAIServing:
                                              for ts, lp in tops]})
         return {"content": content}
 
-    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest, *, add_special_tokens: bool = False,
+                    documents: list[dict] | None = None) -> list[int]:
         """The prompt ids of a chat request's messages (or /tokenize's), rendered with its template options."""
         if req.chat_template is not None and not self.trust_request_chat_template:
             # a template is code the server runs: by default only its operator chooses it, as in vLLM
@@ -299,33 +383,53 @@ class OpenAIServing:
                              "--chat-template)")
         return render_chat(self.tokenizer, req.conversation(), add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message, chat_template=template,
-                           chat_template_kwargs=req.chat_template_kwargs)
+                           chat_template_kwargs=req.template_kwargs(), add_special_tokens=add_special_tokens,
+                           documents=documents)
 
-    async def create_chat_completion(self, req: ChatCompletionRequest):
+    async def create_chat_completion(self, req: ChatCompletionRequest, header_id: str | None = None):
         self.check_model(req.model)
         params = self._params(req)
-        prompt = self.chat_prompt(req)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        run = await self._start([prompt], params, rid)
+        prompt = self.chat_prompt(req, add_special_tokens=req.add_special_tokens, documents=req.documents)
+        params = self._with_max_tokens(req, params, prompt)
+        (rid, base_id), created = self._ids("chatcmpl", req, header_id), int(time.time())
+        run = await self._start([(prompt, params)], base_id, self._priority(req))
         ids, top = req.return_tokens_as_token_ids, req.top_logprobs or 0
         head = {"id": rid, "created": created, "model": self.model_name}
+        role, last = req.reply_role(), req.messages[-1]
+        echoed = last.text() if req.echo and last.role == role else ""  # vLLM's echo
         if req.stream:
             chunk_head = {**head, "object": "chat.completion.chunk"}
 
-            def first(index):
-                return {**chunk_head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}]}
+            def opening(index):
+                chunks = [{**chunk_head, "choices": [{"index": index, "delta": {"role": role, "content": ""},
+                                                      "logprobs": None, "finish_reason": None}]}]
+                if req.return_token_ids:
+                    chunks[0]["prompt_token_ids"] = prompt
+                if echoed:
+                    chunks.append({**chunk_head, "choices": [{"index": index, "delta": {"content": echoed},
+                                                              "logprobs": None, "finish_reason": None}]})
+                return chunks
 
             def chunk(index, out, c, delta, k0):
-                return {**chunk_head, "choices": [{"index": index, "delta": {"content": delta} if delta else {},
-                                                   "logprobs": self._chat_logprobs(c, k0, top, ids),
-                                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                choice = {"index": index, "delta": {"content": delta} if delta else {},
+                          "logprobs": self._chat_logprobs(c, k0, top, ids), "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids[k0:]
+                return {**chunk_head, "choices": [choice]}
 
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._stream(run, params.n, include_usage, chunk, make_head=first,
+            return self._stream(run, params.n, req.stream_options, chunk, make_heads=opening,
                                 usage_chunk=lambda usage: {**chunk_head, "choices": [], "usage": usage})
         finals = await self._final(run, 1)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        given = req.return_token_ids
+        choices = [{"index": c.index, "message": {"role": role, "content": echoed + c.text},
                     "logprobs": self._chat_logprobs(c, 0, top, ids), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in finals[0].outputs]
-        return {**head, "object": "chat.completion", "choices": choices, "usage": self._usage(finals)}
+                    "stop_reason": c.stop_reason, "token_ids": c.token_ids if given else None}
+                   for c in finals[0].outputs]
+        return {**head, "object": "chat.completion", "choices": choices, "usage": self._usage(finals),
+                "prompt_logprobs": self._prompt_logprobs(finals[0]),
+                "prompt_token_ids": finals[0].prompt_token_ids if given else None}
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -50,6 +50,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk too (with include_usage)
 
 
 class ResponseFormat(_Body):
@@ -80,6 +81,23 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extras: prompt_logprobs per prompt position (not when streaming); priority under the "priority"
+    # scheduling policy; request_id (or an X-Request-Id header) names the response
+    prompt_logprobs: int | None = None
+    priority: Int64 = 0
+    request_id: str | None = None
+    return_token_ids: bool = False  # vLLM's: token ids beside the text (the prompt's too)
+    # vLLM's extras jengine cannot honour; refused when set (`check_extras`) rather than silently ignored
+    use_beam_search: bool = False
+    structured_outputs: dict | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
+    logprob_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    kv_transfer_params: dict | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens spelled "token_id:N"
     # Structured output needs guided decoding, which jengine does not have: only plain text is accepted,
@@ -114,6 +132,38 @@ class _Sampling(_Body):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, **kw)
 
+    def check_extras(self) -> None:
+        """vLLM's extra fields: its rules for what only a stream, or only a whole response, can carry, and
+        a 400 for those jengine cannot honour."""
+        unsupported = {
+            "use_beam_search": "beam search is offline only in jengine (LLM.beam_search)",
+            "structured_outputs": "jengine has no guided decoding", "guided_json": "jengine has no guided decoding",
+            "guided_regex": "jengine has no guided decoding", "guided_choice": "jengine has no guided decoding",
+            "guided_grammar": "jengine has no guided decoding",
+            "logprob_token_ids": "logprobs come for the top tokens only",
+            "cache_salt": "the prefix cache is not salted per request",
+            "kv_transfer_params": "jengine has no KV transfer (disaggregated serving)"}
+        for name, why in unsupported.items():
+            if getattr(self, name) not in (None, False):
+                raise ValueError(f"{name} is not supported: {why}")
+        if self.truncation_side == "right":
+            raise ValueError("truncation_side 'right' is not supported: truncate_prompt_tokens keeps the prompt's "
+                             "last tokens ('left')")
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs == -1:
+                raise ValueError(f"prompt_logprobs=-1 (the whole vocabulary) is not supported; at most "
+                                 f"{MAX_LOGPROBS}")
+            if self.stream and self.prompt_logprobs > 0:
+                raise ValueError("prompt_logprobs are not available when stream is true")
+
+    def with_prompt_logprobs(self, params: SamplingParams, fallback: int | None) -> SamplingParams:
+        """`params` asking for the request's prompt_logprobs, else for `fallback` (what echo implies)."""
+        self.check_extras()
+        k = self.prompt_logprobs if self.prompt_logprobs is not None else fallback
+        return params if k is None else params.clone(prompt_logprobs=k)
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -122,23 +172,37 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: BOS and the like around a text prompt
+    prompt_embeds: Any = None  # vLLM's; refused (the engine takes token ids)
+
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's: echo with max_tokens 0 returns the prompt alone (one token is generated and dropped)."""
+        return self.echo and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int:
+        """vLLM's: a null max_tokens is OpenAI's default of 16, as an absent one."""
+        if self.echo_only:
+            return 1
+        return 16 if self.max_tokens is None else self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         return _as_prompt_list(self.prompt, "prompt")
 
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
-        """`defaults`: as `sampling_params` takes them (max_tokens only where a request sends null; OpenAI's
-        default of 16 is a value)."""
+        """`defaults`: as `sampling_params` takes them (never max_tokens: OpenAI's default of 16 is a value,
+        and so is null, as in vLLM)."""
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.prompt_embeds is not None:
+            raise ValueError("prompt_embeds is not supported: send the prompt as text or token ids")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must equal n when given)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {self.logprobs}")
-        params = self.sampling_params(self.max_tokens, self.logprobs, defaults)
-        if self.echo and self.logprobs is not None:  # echoed prompt tokens carry their logprobs too
-            params = params.clone(prompt_logprobs=self.logprobs)
-        return params
+        params = self.sampling_params(self.requested_max_tokens(), self.logprobs, defaults)
+        # echoed prompt tokens carry their logprobs too
+        return self.with_prompt_logprobs(params, self.logprobs if self.echo else None)
 
 
 class TextPart(_Body):
@@ -171,6 +235,10 @@ class _ChatTemplateOptions(_Body):
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The extra template variables."""
+        return self.chat_template_kwargs
+
 
 class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -182,6 +250,27 @@ class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
     # are refused unless tool_choice is "none" (then they are ignored).
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    # vLLM's extras: echo prepends the last message when the reply continues its role; special tokens on
+    # top of the template's; documents for templates that take them (RAG)
+    echo: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """vLLM's: reasoning_effort reaches the template as a variable, and switches thinking on (off for
+        "none") unless the request's chat_template_kwargs set enable_thinking themselves."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        kwargs = {"enable_thinking": self.reasoning_effort != "none", **(self.chat_template_kwargs or {})}
+        return {**kwargs, "reasoning_effort": self.reasoning_effort}
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def reply_role(self) -> str:
+        """vLLM's: the assistant's turn after a generation prompt, else the last message's role continued."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         """`defaults`: as `sampling_params` takes them (max_tokens where the request gives neither
@@ -196,8 +285,9 @@ class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, logprobs, defaults)
+        params = self.sampling_params(self.requested_max_tokens(), logprobs, defaults)
+        # vLLM scores the prompt of an echoed reply; a stream has no place for those scores
+        return self.with_prompt_logprobs(params, (self.top_logprobs or 0) if self.echo and not self.stream else None)
 
 
 class TokenizeRequest(_ChatTemplateOptions):
