@@ -122,9 +122,10 @@ def build_sampling_tensors(
     `eos_token_ids` are suppressed (with the request's stop_token_ids) while a request has fewer
     than `min_tokens` outputs, unless it set ignore_eos. A row with allowed_token_ids holds those ids in
     its bias table (with their logit_bias, or -inf where suppressed or banned) and `allow_only`; entries
-    for other ids would be masked out anyway and are left out. If a row has more unique prompt+output
-    tokens than `penalty_window`, output tokens are kept first (most frequent first), then prompt
-    tokens in id order; penalties skip the rest.
+    for other ids would be masked out anyway and are left out (a step where every allowed id is suppressed
+    or banned leaves nothing to sample, as in vLLM; the token is then undefined). If a row has more unique
+    prompt+output tokens than `penalty_window`, output tokens are kept first (most frequent first), then
+    prompt tokens in id order; penalties skip the rest.
     """
     S, V, W, B = num_rows_padded, vocab_size, penalty_window, max_bias_entries
     if len(rows) > S:

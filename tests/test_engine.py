@@ -363,12 +363,20 @@ def test_greedy_with_allowed_token_ids_takes_the_argmax_over_them(llm):
     prompt = HF_CASES[0][0]
     free = _greedy_tokens(llm, [prompt])[0]
     allowed = [t for t in range(3, 256, 7) if t not in free]  # none of the unconstrained choices
-    outs = llm.generate([prompt, prompt], [GREEDY16.clone(allowed_token_ids=allowed), GREEDY16], use_tqdm=False)
-    out = outs[0].outputs[0].token_ids
+    constrained = GREEDY16.clone(allowed_token_ids=allowed, logprobs=0)
+    outs = llm.generate([prompt, prompt], [constrained, GREEDY16], use_tqdm=False)
+    out = outs[0].outputs[0]
     assert outs[1].outputs[0].token_ids == free  # the other row of the batch is unconstrained
     cfg, params = load_model(FIXTURE, dtype="float32")
-    logits = prompt_logits(cfg, params, prompt + out)  # the reference forward: row p predicts token p + 1
-    assert out == [allowed[int(np.argmax(logits[len(prompt) - 1 + i, allowed]))] for i in range(len(out))]
+    logits = prompt_logits(cfg, params, prompt + out.token_ids)[len(prompt) - 1 : -1]  # row i predicts output i
+    assert out.token_ids == [allowed[int(np.argmax(row[allowed]))] for row in logits]
+    # logprobs are the model's own, as with logit_bias (vLLM's raw_logprobs), whose first choice (free[0])
+    # the first token is not
+    logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    assert [entry[tok].logprob for tok, entry in zip(out.token_ids, out.logprobs)] == pytest.approx(
+        [logprobs[i, tok] for i, tok in enumerate(out.token_ids)], abs=2e-3)
+    assert out.logprobs[0][out.token_ids[0]].rank > 1
     _assert_no_leak(llm)
 
 
