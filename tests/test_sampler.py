@@ -294,11 +294,11 @@ def test_requests_that_could_overflow_the_bias_table_are_value_errors_naming_the
         check_bias_table(P(allowed_token_ids=list(range(B + 1))))
     bias = {i: 1.0 for i in range(300)}
     check_bias_table(P(logit_bias=bias), banned_token_ids=frozenset(range(250, 250 + B - 250)))  # overlaps count once
-    with pytest.raises(ValueError, match=f"^logit_bias, bad_words .* together need {B + 1} entries"):
+    with pytest.raises(ValueError, match=f"^logit_bias, bad_words together need {B + 1} entries"):
         check_bias_table(P(logit_bias=bias), banned_token_ids=frozenset(range(300, B + 1)))
-    with pytest.raises(ValueError, match=f"^bad_words .* need {B + 1} entries"):
+    with pytest.raises(ValueError, match=f"^bad_words together need {B + 1} entries"):
         check_bias_table(P(), banned_token_ids=frozenset(range(B + 1)))
-    with pytest.raises(ValueError, match=f"^logit_bias, stop_token_ids .* need {B + 1} entries"):
+    with pytest.raises(ValueError, match=f"^logit_bias, stop_token_ids together need {B + 1} entries"):
         check_bias_table(P(logit_bias=bias, stop_token_ids=list(range(300, B)), min_tokens=1), eos_token_ids=[B])
 
 
