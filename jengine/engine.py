@@ -15,6 +15,7 @@ import time
 
 import jax
 
+from jengine.bad_words import bad_words_token_ids, last_tokens, needs_history
 from jengine.buckets import pick_bucket, seq_bucket
 from jengine.detokenizer import IncrementalDetokenizer
 from jengine.engine_config import EngineConfig
@@ -28,7 +29,7 @@ from jengine.outputs import CompletionOutput, RequestOutput
 from jengine.prompts import tokenize_prompt, truncated
 from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, to_host
-from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES, SamplingRow, build_sampling_tensors
+from jengine.sampler import SamplingRow, build_sampling_tensors, check_bias_table
 from jengine.sampling_params import RequestOutputKind, SamplingParams
 from jengine.scheduler import Scheduler, SchedulerOutput
 from jengine.sharding import log_memory, make_mesh, sharded_model_config
@@ -48,6 +49,7 @@ class _Child:
     detok: IncrementalDetokenizer | None
     rng_counter: int
     logprobs: FlatLogprobs | None
+    bad_words: tuple  # the request's bad words as token sequences (`jengine.bad_words`)
     cumulative_logprob: float = 0.0
     logprob_dicts: list | None = None  # dicts of `logprobs` made so far (CUMULATIVE outputs without flat_logprobs)
     stop_reason: int | str | None = None
@@ -189,7 +191,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        self._check_token_params(params)
+        bad_words = self._check_token_params(params)
         text, ids = self.tokenize_prompt(prompt)
         ids = truncated(ids, params.truncate_prompt_tokens, self.config.max_model_len)
         if params.stop and self.tokenizer is None:
@@ -205,7 +207,7 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, child_params, ids) if self.tokenizer else None
             keep_dicts = params.output_kind is RequestOutputKind.CUMULATIVE and not params.flat_logprobs
             children.append(_Child(request, request_id, detok, self._rng_counter,
-                                   FlatLogprobs() if params.logprobs is not None else None,
+                                   FlatLogprobs() if params.logprobs is not None else None, bad_words,
                                    logprob_dicts=[] if keep_dicts else None))
             self._rng_counter += 1
         self._children.update((c.request.request_id, c) for c in children)
@@ -217,17 +219,18 @@ class LLMEngine:
         self.stats["prompt_tokens"] += len(ids) * params.n
         return ids
 
-    def _check_token_params(self, params: SamplingParams) -> None:
-        """Token ids in the params must exist in this model's vocabulary (the sampler would fail mid-step)."""
+    def _check_token_params(self, params: SamplingParams) -> tuple:
+        """Token ids in the params must exist in this model's vocabulary (the sampler would fail mid-step),
+        and fit the sampler's bias table. Returns the bad words' token sequences."""
         vocab = self.model_config.vocab_size
-        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                           ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if not 0 <= int(t) < vocab]
             if bad:
                 raise ValueError(f"{field} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        entries = len(params.logit_bias) + len(params.all_stop_token_ids(self.model_config.eos_token_ids))
-        if entries > DEFAULT_MAX_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias and stop_token_ids together have {entries} entries; at most "
-                             f"{DEFAULT_MAX_BIAS_ENTRIES} are supported")
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer, vocab)
+        check_bias_table(params, self.model_config.eos_token_ids, last_tokens(bad_words))
+        return bad_words
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.pop(request_id, None)
@@ -288,8 +291,14 @@ class LLMEngine:
         return self._resolve(*inflight) if inflight is not None else []
 
     def _needs_history(self, sched: SchedulerOutput) -> bool:
-        return any(e.request.sampling_params.uses_penalties and PLACEHOLDER in e.request.output_token_ids[-1:]
-                   for e in sched.scheduled)
+        """Whether a row's sampling reads its last output while that is still on the device: penalties, and
+        bad words of more than one token."""
+        for e in sched.scheduled:
+            if PLACEHOLDER in e.request.output_token_ids[-1:]:
+                child = self._children.get(e.request.request_id)
+                if e.request.sampling_params.uses_penalties or (child is not None and needs_history(child.bad_words)):
+                    return True
+        return False
 
     def _resolve(self, sched: SchedulerOutput, pending) -> list[RequestOutput]:
         """Read a launched step's results, apply them to the requests, and build their outputs."""
@@ -369,7 +378,8 @@ class LLMEngine:
                          prev_rows.get(request.request_id, -1), self._prompt_targets(entry)))
             child = self._children.get(request.request_id)
             sampling_rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids,
-                                             request.output_token_ids, child.rng_counter if child else 0))
+                                             request.output_token_ids, child.rng_counter if child else 0,
+                                             child.bad_words if child else ()))
         sampling = build_sampling_tensors(sampling_rows, num_seqs, self.model_config.vocab_size,
                                           engine_seed=ecfg.seed, eos_token_ids=self.model_config.eos_token_ids)
         inp = build_step_input(rows, num_tokens, num_seqs, ecfg.pages_per_seq, ecfg.block_size, sampling)

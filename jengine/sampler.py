@@ -6,12 +6,14 @@ in it is None and every option has an inert value, so a request that switches to
 never changes the program: only array *values* differ.
 
 Device side: `sample(logits[S, V], tensors)` applies, in vLLM's order,
-    logit_bias (+ min_tokens suppression of stop ids) -> repetition/presence/frequency penalties
+    allowed_token_ids, bad words, logit_bias, min_tokens suppression of stop ids (all one bias table)
+    -> repetition/presence/frequency penalties
     -> [greedy rows: argmax] -> temperature -> min_p -> top_k -> top_p -> categorical draw,
 all per row in one batch.
 
 Logprobs follow vLLM's default `logprobs_mode="raw_logprobs"`: log_softmax of the model's logits
-*before* any processing (so they do not depend on temperature, penalties or filters). Pass
+*before* any processing (so they do not depend on temperature, penalties, filters, logit_bias,
+allowed_token_ids or bad words). Pass
 `logprobs_mode="processed_logprobs"` for log_softmax of the final, filtered distribution.
 
 Randomness: each row gets its own key,
@@ -32,12 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.bad_words import banned_tokens
 from jengine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, SamplingParams
 from jengine.selection import kth_largest_key, largest_key, ordered_keys, top_n
 
 # Unique tokens (prompt + output) per row that penalties see; see `_apply_penalties` for why a window.
 DEFAULT_PENALTY_WINDOW = 1024
-# logit_bias entries plus min_tokens-suppressed stop ids per row.
+# Entries of a row's bias table: logit_bias, min_tokens-suppressed stop ids and bad words' banned tokens,
+# or a row's allowed_token_ids (`SamplingParams.bias_table_entries`).
 DEFAULT_MAX_BIAS_ENTRIES = MAX_LOGIT_BIAS_ENTRIES + 32
 # Batches whose top-k rows all have k <= one of these bounds find the k-th largest by `kth_largest_key`,
 # from the `bound` chunks of SMALL_TOP_K_CHUNK logits with the largest maxima, not by the radix select.
@@ -68,7 +72,8 @@ class SamplingTensors:
     penalty_ids: jax.Array  # [S, W] int32; unique token ids seen in prompt or output, V = padding
     penalty_output_counts: jax.Array  # [S, W] int32; occurrences of that id in the output
     bias_ids: jax.Array  # [S, B] int32; unique per row, V = padding
-    bias_values: jax.Array  # [S, B] f32; -inf for min_tokens-suppressed stop ids
+    bias_values: jax.Array  # [S, B] f32; -inf for min_tokens-suppressed stop ids and banned bad-word tokens
+    allow_only: jax.Array  # [S] bool; only the row's bias_ids may be sampled (allowed_token_ids)
     rng_key_words: jax.Array  # [S, 2] uint32; threefry key data of PRNGKey(seed or engine_seed)
     rng_stream: jax.Array  # [S] uint32; 0 for seeded rows, 1 + per-request counter otherwise
     rng_step: jax.Array  # [S] uint32; number of tokens the request has generated so far
@@ -82,6 +87,7 @@ class SamplingRow(NamedTuple):
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     rng_counter: int = 0  # unique per request (e.g. arrival ordinal); used only when seed is None
+    bad_words: Sequence[Sequence[int]] = ()  # token sequences of the request's bad words (`jengine.bad_words`)
 
 
 class SamplerOutput(NamedTuple):
@@ -114,9 +120,12 @@ def build_sampling_tensors(
     """Numpy `SamplingTensors` for `rows` (in batch order), padded to `num_rows_padded` inert rows.
 
     `eos_token_ids` are suppressed (with the request's stop_token_ids) while a request has fewer
-    than `min_tokens` outputs, unless it set ignore_eos. If a row has more unique prompt+output
-    tokens than `penalty_window`, output tokens are kept first (most frequent first), then prompt
-    tokens in id order; penalties skip the rest.
+    than `min_tokens` outputs, unless it set ignore_eos. A row with allowed_token_ids holds those ids in
+    its bias table (with their logit_bias, or -inf where suppressed or banned) and `allow_only`; entries
+    for other ids would be masked out anyway and are left out (a step where every allowed id is suppressed
+    or banned leaves nothing to sample, as in vLLM; the token is then undefined). If a row has more unique
+    prompt+output tokens than `penalty_window`, output tokens are kept first (most frequent first), then
+    prompt tokens in id order; penalties skip the rest.
     """
     S, V, W, B = num_rows_padded, vocab_size, penalty_window, max_bias_entries
     if len(rows) > S:
@@ -134,6 +143,7 @@ def build_sampling_tensors(
     penalty_counts = np.zeros((S, W), i32)
     bias_ids = np.full((S, B), V, i32)
     bias_values = np.zeros((S, B), f32)
+    allow_only = np.zeros(S, bool)
     key_words = np.zeros((S, 2), u32)
     stream = np.zeros(S, u32)
     step = np.zeros(S, u32)
@@ -150,7 +160,7 @@ def build_sampling_tensors(
         seeded = [r.params.seed is not None for r in rows]
         key_words[:n] = [_seed_words(r.params.seed) if s else engine_words for r, s in zip(rows, seeded)]
         stream[:n] = [0 if s else (r.rng_counter + 1) & _U32 for r, s in zip(rows, seeded)]
-    for i, (p, prompt_ids, output_ids, _) in enumerate(rows):
+    for i, (p, prompt_ids, output_ids, _, bad_words) in enumerate(rows):
         if not p.is_greedy:
             greedy[i] = False
             temperature[i] = p.temperature
@@ -161,17 +171,27 @@ def build_sampling_tensors(
             repetition[i] = p.repetition_penalty
             ids, counts = _penalty_window(prompt_ids, output_ids, V, W)
             penalty_ids[i, : len(ids)], penalty_counts[i, : len(ids)] = ids, counts
-        if not p.logit_bias and num_out[i] >= p.min_tokens:
+        banned = banned_tokens(bad_words, output_ids) if bad_words else ()
+        suppress = num_out[i] < p.min_tokens
+        allowed = p.allowed_token_ids
+        if not p.logit_bias and not suppress and not banned and allowed is None:
             continue
-        entries: dict[int, float] = dict(p.logit_bias)
-        if num_out[i] < p.min_tokens:
-            entries.update((t, -np.inf) for t in p.all_stop_token_ids(eos_token_ids))
+        if allowed is None:
+            entries: dict[int, float] = dict(p.logit_bias)
+        else:
+            allow_only[i] = True
+            entries = dict.fromkeys(allowed, 0.0)
+            entries.update((t, b) for t, b in p.logit_bias.items() if t in entries)
+        bans = [*p.all_stop_token_ids(eos_token_ids), *banned] if suppress else banned
+        entries.update((t, -np.inf) for t in bans if allowed is None or t in entries)
         if len(entries) > B:
-            raise ValueError(f"row {i}: {len(entries)} logit_bias/min_tokens entries exceed the cap {B}")
+            raise ValueError(f"row {i}: {len(entries)} allowed_token_ids/logit_bias/min_tokens/bad_words entries "
+                             f"exceed the cap {B}")
         if entries:
             bad = [t for t in entries if t >= V]
             if bad:
-                raise ValueError(f"logit_bias/stop_token_ids contain out-of-vocab token ids {bad[:5]} (V={V})")
+                raise ValueError(f"allowed_token_ids/logit_bias/stop_token_ids/bad_words contain out-of-vocab token "
+                                 f"ids {bad[:5]} (V={V})")
             bias_ids[i, : len(entries)] = list(entries)
             bias_values[i, : len(entries)] = list(entries.values())
 
@@ -179,9 +199,25 @@ def build_sampling_tensors(
         temperature=temperature, greedy=greedy, top_k=top_k, top_p=top_p, min_p=min_p,
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         penalty_ids=penalty_ids, penalty_output_counts=penalty_counts,
-        bias_ids=bias_ids, bias_values=bias_values,
+        bias_ids=bias_ids, bias_values=bias_values, allow_only=allow_only,
         rng_key_words=key_words, rng_stream=stream, rng_step=step, wants_logprobs=wants_logprobs,
     )
+
+
+def check_bias_table(params: SamplingParams, eos_token_ids: Sequence[int] = (),
+                     banned_token_ids: frozenset[int] = frozenset(), cap: int = DEFAULT_MAX_BIAS_ENTRIES) -> None:
+    """A ValueError naming the fields when a request could need more entries of a row's bias table than it
+    has (`SamplingParams.bias_table_entries`; `banned_token_ids`: its bad words' last tokens): checked when
+    a request arrives, since inside a step the error would stop the engine."""
+    entries = params.bias_table_entries(eos_token_ids, banned_token_ids)
+    if entries <= cap:
+        return
+    if params.allowed_token_ids is not None:
+        raise ValueError(f"allowed_token_ids may name at most {cap} tokens, got {entries}")
+    fields = [name for name, used in (("logit_bias", params.logit_bias), ("bad_words", banned_token_ids),
+                                      ("stop_token_ids", params.min_tokens > 0)) if used]
+    raise ValueError(f"{', '.join(fields)} together need {entries} entries of the sampler's bias table (stop and "
+                     f"EOS ids count while min_tokens is not reached); at most {cap} are supported")
 
 
 class SamplerSwitches(NamedTuple):
@@ -200,8 +236,9 @@ class SamplerSwitches(NamedTuple):
 
 def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     """What the batch of numpy `t` needs from the sampling program: the one place that decides.
-    `random` is the general program (random draws, logit_bias, min_tokens suppression, penalties); it
-    is off only for greedy batches with none of those, which are then an argmax and a log-sum-exp.
+    `random` is the general program (random draws, the bias table: logit_bias, min_tokens suppression,
+    allowed_token_ids and bad words; penalties); it is off only for greedy batches with none of those,
+    which are then an argmax and a log-sum-exp.
 
     `filter_k` (the top-k select runs) comes with `filter_p` (the top-p select runs) where a row uses
     top-k: a top-k-only batch pays the top-p select too (rows with top_p = 1 keep what top-k kept), so
@@ -225,7 +262,8 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     small_p = small_p and k_bound > 0
     filter_p = filter_k or bool(np.any(top_p < 1.0))
     adjust = bool(
-        np.any(np.asarray(t.bias_ids) < vocab_size) or np.any(np.asarray(t.repetition_penalty) != 1.0)
+        np.any(np.asarray(t.bias_ids) < vocab_size) or np.any(t.allow_only)
+        or np.any(np.asarray(t.repetition_penalty) != 1.0)
         or np.any(np.asarray(t.presence_penalty) != 0.0) or np.any(np.asarray(t.frequency_penalty) != 0.0))
     random = filter_p or adjust or not bool(np.all(t.greedy))
     return SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)), k_bound, small_p)
@@ -237,7 +275,7 @@ _ADJUST_TABLES = ("penalty_ids", "penalty_output_counts", "bias_ids", "bias_valu
 
 def program_inputs(t: SamplingTensors, switches: SamplerSwitches) -> SamplingTensors:
     """The numpy tensors the sampling program of `switches` takes: without `random` (which alone applies
-    logit_bias, min_tokens suppression and penalties) the bias and penalty tables are left out ([S, 0])."""
+    the bias table and penalties) the bias and penalty tables are left out ([S, 0])."""
     if switches.random:
         return t
     rows = np.asarray(t.temperature).shape[0]
@@ -264,9 +302,17 @@ def _rows(S: int) -> jax.Array:
     return jnp.arange(S)[:, None]  # [S, 1], row index for per-row scatters
 
 
-def _apply_logit_bias(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Add the bias table; ids are unique per row and padding id V is dropped."""
-    return logits.at[_rows(logits.shape[0]), t.bias_ids].add(t.bias_values, mode="drop")
+def _apply_bias_table(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Add each row's bias table to its logits; `allow_only` rows keep the table's ids only (the rest -inf).
+
+    One gather and one scatter for both: the table's logits are read, the row masked where `allow_only`,
+    and read + bias written back. Ids are unique per row, so on other rows this equals adding the bias in
+    place; padding id V reads a clamped id and its write is dropped.
+    """
+    S, V = logits.shape
+    table = jnp.take_along_axis(logits, jnp.minimum(t.bias_ids, V - 1), axis=1)  # [S, B]
+    base = jnp.where(t.allow_only[:, None], -jnp.inf, logits)  # [S, V]
+    return base.at[_rows(S), t.bias_ids].set(table + t.bias_values, mode="drop")
 
 
 def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -353,7 +399,7 @@ def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = Tr
     """logits [S, V] -> the distribution each row samples from [S, V] (masked tokens are -inf).
 
     Static choices of a caller that knows the batch (so the program has no data-dependent branch):
-    `filter_k=False` / `filter_p=False` skip top-k / top-p (no row uses it), `adjust=False` the logit_bias table and the
+    `filter_k=False` / `filter_p=False` skip top-k / top-p (no row uses it), `adjust=False` the bias table and the
     penalties (no row has any), `temper=False` temperature and min_p (every row greedy, and only the
     argmax of the result is used: neither moves a row's largest logit).
 
@@ -362,7 +408,7 @@ def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = Tr
     """
     logits = logits.astype(jnp.float32)
     if adjust:
-        logits = _apply_penalties(_apply_logit_bias(logits, t), t)
+        logits = _apply_penalties(_apply_bias_table(logits, t), t)
     if temper:
         logits = _apply_min_p(logits / jnp.where(t.greedy, 1.0, t.temperature)[:, None], t.min_p)
     return _apply_top_k_top_p(logits, t.top_k, t.top_p, filter_k=filter_k, filter_p=filter_p, k_bound=k_bound,
@@ -427,8 +473,9 @@ def sample(
     k <= SMALL_TOP_K: the k-th largest from the chunks that can hold it, 0.23 ms at S=256 on an H200
     against 0.64; `small_p=True` when, besides, no row uses top-p without top-k: the top-p threshold from
     those candidates, no radix select at all, and then also with `k_bound=WIDE_TOP_K`), `random=False` when every row is
-    greedy and no row has a logit_bias entry or a penalty (no categorical draw, and no scatters into a
-    copy of the logits, no temperature or min_p pass: an argmax and a log-sum-exp of the logits),
+    greedy and no row has a bias table entry (logit_bias, allowed_token_ids, bad words, min_tokens) or a
+    penalty (no categorical draw, and no scatters into a copy of the logits, no temperature or min_p pass:
+    an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-20 over [S, V]: 0.11 ms at S=256 on an
     H200, 0.05 at S=8, and no rank; the top ids are then -1, their logprobs -inf
     and the ranks 0)."""

@@ -52,6 +52,16 @@ def plain_scalar(x: Any) -> Any:
     return x
 
 
+def _as_list(name: str, values: Any) -> list:
+    """A list field given as a list, tuple or 1-D numpy array, as a list of plain values; a bare string or
+    any other type is a ValueError naming the field (a string would otherwise be taken letter by letter)."""
+    if type(values).__module__ == "numpy" and getattr(values, "ndim", None) == 1:
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {type(values).__name__}")
+    return [plain_scalar(v) for v in values]
+
+
 def check_bool(name: str, value: Any) -> None:
     """An on/off option must be a bool: a truthy string such as "no" would otherwise switch it on."""
     if not isinstance(value, bool):
@@ -64,7 +74,8 @@ class SamplingParams:
 
     Normalisation done at construction (so readers never branch on spellings):
     `top_k` -1 becomes 0 (off); `stop` becomes a list; `stop_token_ids` a list of ints;
-    `logit_bias` keys become ints and values are clamped to [-100, 100]; greedy requests
+    `logit_bias` keys become ints and values are clamped to [-100, 100]; `allowed_token_ids` and
+    `bad_words` lose repeats (`bad_words` None becomes []); greedy requests
     (temperature < 1e-5) get top_k/top_p/min_p switched off, since they do not apply to argmax.
     """
 
@@ -87,6 +98,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these tokens may be sampled (None: any); checked against the vocabulary by the engine
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never to be generated (each word's last token is banned where the output so far ends
+    # with its other tokens); tokenized by the engine (`jengine.bad_words`)
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -129,6 +145,9 @@ class SamplingParams:
                     raise ValueError(f"logit_bias[{tok}] must be a number, got {v!r}")
                 bias[tok] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
             self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
+        self.bad_words = [] if self.bad_words is None else _as_list("bad_words", self.bad_words)
 
     def _verify(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -181,6 +200,17 @@ class SamplingParams:
         for tok in self.logit_bias:
             if tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must name at least one token (None allows every token)")
+            for t in self.allowed_token_ids:
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"allowed_token_ids must be token ids (ints >= 0), got {t!r}")
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w:
+                raise ValueError(f"bad_words must be non-empty strings, got {w!r}")
+        self.bad_words = list(dict.fromkeys(self.bad_words))
         for field in dataclasses.fields(self):
             if field.type == "bool":  # the annotation's text (postponed annotations)
                 check_bool(field.name, getattr(self, field.name))
@@ -207,6 +237,16 @@ class SamplingParams:
     def max_stop_str_len(self) -> int:
         """Longest stop string; streaming holds back this many chars minus one (partial match)."""
         return max((len(s) for s in self.stop), default=0)
+
+    def bias_table_entries(self, eos_token_ids: tuple[int, ...] | list[int] = (),
+                           banned_token_ids: set[int] | frozenset[int] = frozenset()) -> int:
+        """The most entries this request can need in the sampler's per-row bias table in any step: with
+        allowed_token_ids, those ids (everything else is masked out anyway); otherwise logit_bias, the stop
+        ids suppressed while fewer than min_tokens are out, and `banned_token_ids` (bad words' last tokens)."""
+        if self.allowed_token_ids is not None:
+            return len(self.allowed_token_ids)
+        stops = self.all_stop_token_ids(eos_token_ids) if self.min_tokens > 0 else set()
+        return len(set(self.logit_bias) | stops | set(banned_token_ids))
 
     def all_stop_token_ids(self, eos_token_ids: tuple[int, ...] | list[int] = ()) -> set[int]:
         """Token ids that finish this request: its stop_token_ids, plus EOS unless ignore_eos."""

@@ -75,7 +75,8 @@ class FakeEngine:
 RICH = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=1234, stop=["\n\n", "END"],
                       stop_token_ids=[7, 9], max_tokens=33, min_tokens=2, logprobs=3, prompt_logprobs=1,
                       logit_bias={5: -3.5, 11: 100.0}, presence_penalty=0.5, frequency_penalty=-0.25,
-                      repetition_penalty=1.1, include_stop_str_in_output=True, skip_special_tokens=False)
+                      repetition_penalty=1.1, include_stop_str_in_output=True, skip_special_tokens=False,
+                      allowed_token_ids=[5, 7, 11, 300], bad_words=["foo", " bar"])
 
 
 def test_sampling_params_cross_the_channel_unchanged():

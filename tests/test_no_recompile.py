@@ -40,6 +40,8 @@ def _random_params(rng: random.Random) -> SamplingParams:
         options.update(logprobs=rng.randint(0, 5), n=rng.randint(1, 3), prompt_logprobs=rng.choice([None, 2]))
     if rng.random() < 0.2:
         options.update(stop=["ab"], stop_token_ids=[rng.randrange(256)], min_tokens=1)
+    if rng.random() < 0.2:  # a one-token and a two-token word, and a bias table of allowed ids
+        options.update(bad_words=["q", "ab"], allowed_token_ids=rng.sample(range(384), rng.choice([1, 3, 200])))
     return SamplingParams(**options)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jengine.sampler import (
+    SamplerSwitches,
     SamplingRow,
     build_sampling_tensors,
     compute_logprobs,
@@ -21,6 +22,7 @@ from jengine.selection import TOP_N_CHUNK, kth_largest_key, largest_key, ordered
 V = 16
 
 _sample = jax.jit(sample, static_argnames=("filter_k", "filter_p", "logprobs_mode"))
+_sample_as_the_runner = jax.jit(sample, static_argnames=SamplerSwitches._fields)  # with `sampler_switches`
 _process = jax.jit(process_logits, static_argnames=("filter_k", "filter_p", "k_bound", "small_p"))
 
 
@@ -239,6 +241,67 @@ def test_out_of_vocab_logit_bias_is_rejected():
         tensors([P(logit_bias={V: 1.0})])
 
 
+def test_the_bias_table_with_allow_only_equals_a_reference_mask():
+    """allowed_token_ids through the bias table (the table's logits read, the row masked, read + bias written
+    back) give the logits of a plain mask: allowed ids keep theirs plus their logit_bias, allowed ids that
+    min_tokens suppresses or a bad word bans are -inf, and so is every other id (a logit_bias outside the
+    allowed set too); rows without allowed ids are only biased and banned."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(4, V)).astype(np.float32) * 3
+    rows = [
+        # EOS (2) suppressed (1 output < min_tokens); 9's bias is outside the allowed set
+        SamplingRow(P(allowed_token_ids=[3, 5, 7, 2], logit_bias={5: 2.0, 9: 50.0}, min_tokens=3), [], [1]),
+        # bad words: 11 always, 6 after 4 (the last output), 0 after 8 (not now), 13 (not allowed)
+        SamplingRow(P(allowed_token_ids=[0, 4, 6, 11]), [], [4], 0, ((11,), (4, 6), (8, 0), (13,))),
+        SamplingRow(P(logit_bias={1: -3.0}), [], [8], 0, ((8, 12),)),
+        SamplingRow(P(), [], []),
+    ]
+    t = tensors(rows, eos_token_ids=(2,))
+    assert np.asarray(t.allow_only).tolist() == [True, True, False, False]
+    x = jnp.asarray(logits)
+    allowed = jnp.ones((4, V), bool).at[:2].set(False).at[0, jnp.array([3, 5, 7, 2])].set(True)
+    allowed = allowed.at[1, jnp.array([0, 4, 6, 11])].set(True)
+    bias = jnp.zeros((4, V)).at[0, 5].set(2.0).at[2, 1].set(-3.0)
+    banned = jnp.zeros((4, V), bool).at[0, 2].set(True).at[1, jnp.array([11, 6])].set(True).at[2, 12].set(True)
+    want = jnp.where(allowed & ~banned, x + bias, -jnp.inf)
+    np.testing.assert_array_equal(np.asarray(_process(logits, t)), np.asarray(want))
+
+
+def test_greedy_and_random_draws_land_only_in_the_allowed_set():
+    rng = np.random.default_rng(6)
+    allowed = [1, 6, 10, 14]
+    params = [P(temperature=0, allowed_token_ids=allowed)] + [
+        P(temperature=1.5, allowed_token_ids=allowed, top_p=top_p, seed=seed)
+        for seed, top_p in zip(range(7), (1.0, 1.0, 0.99, 1.0, 0.95, 1.0, 1.0))]
+    drawn, greedy = set(), []
+    for step in range(6):
+        logits = rng.normal(size=(8, V)).astype(np.float32)
+        logits[:, 0] = 10.0  # the argmax overall is never allowed
+        t = tensors([SamplingRow(p, [], [1] * step) for p in params])
+        ids = np.asarray(_sample_as_the_runner(logits, t, **sampler_switches(t, V)._asdict()).next_ids)
+        drawn.update(ids[1:].tolist())
+        greedy.append((int(ids[0]), allowed[int(np.argmax(logits[0, allowed]))]))
+    assert drawn <= set(allowed) and len(drawn) > 2
+    assert all(got == want for got, want in greedy)
+
+
+def test_requests_that_could_overflow_the_bias_table_are_value_errors_naming_the_field():
+    from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES as B
+    from jengine.sampler import check_bias_table
+
+    check_bias_table(P(allowed_token_ids=list(range(B)), logit_bias={i: 1.0 for i in range(B, B + 300)}))
+    with pytest.raises(ValueError, match=f"^allowed_token_ids may name at most {B} tokens, got {B + 1}"):
+        check_bias_table(P(allowed_token_ids=list(range(B + 1))))
+    bias = {i: 1.0 for i in range(300)}
+    check_bias_table(P(logit_bias=bias), banned_token_ids=frozenset(range(250, 250 + B - 250)))  # overlaps count once
+    with pytest.raises(ValueError, match=f"^logit_bias, bad_words together need {B + 1} entries"):
+        check_bias_table(P(logit_bias=bias), banned_token_ids=frozenset(range(300, B + 1)))
+    with pytest.raises(ValueError, match=f"^bad_words together need {B + 1} entries"):
+        check_bias_table(P(), banned_token_ids=frozenset(range(B + 1)))
+    with pytest.raises(ValueError, match=f"^logit_bias, stop_token_ids together need {B + 1} entries"):
+        check_bias_table(P(logit_bias=bias, stop_token_ids=list(range(300, B)), min_tokens=1), eos_token_ids=[B])
+
+
 def test_seeded_request_is_independent_of_batch_composition_and_position():
     rng = np.random.RandomState(1)
     base = rng.randn(V).astype(np.float32)
@@ -343,11 +406,22 @@ def test_one_compilation_serves_every_option_mix():
     ([dict(temperature=0.0, frequency_penalty=-0.5)], (False, False, True, False, 0, False)),
     ([dict(temperature=0.0, min_tokens=3, stop_token_ids=[7])], (False, False, True, False, 0, False)),
     ([dict(temperature=0.0, min_tokens=3, ignore_eos=True)], (False, False, False, False, 0, False)),
+    ([dict(temperature=0.0), dict(temperature=0.0, allowed_token_ids=[3])], (False, False, True, False, 0, False)),
 ])
 def test_sampler_switches_follow_the_batch(options, expected):
     rows = [SamplingRow(P(**o), [1, 2], []) for o in options]
     t = build_sampling_tensors(rows, 8, 100)
     assert tuple(sampler_switches(t, 100)) == expected
+
+
+def test_greedy_rows_keep_the_greedy_program_while_their_bad_words_ban_nothing():
+    """A bad word's ban is a bias table entry only at a step whose outputs end with its other tokens."""
+    params = P(temperature=0.0)
+    for outputs, general in (([3], False), ([3, 4], True), ([4, 3], False)):
+        t = build_sampling_tensors([SamplingRow(params, [4], outputs, 0, ((4, 5),))], 8, 100)
+        assert sampler_switches(t, 100).random is general, outputs
+    t = build_sampling_tensors([SamplingRow(params, [1], [], 0, ((5,),))], 8, 100)  # one token: always
+    assert sampler_switches(t, 100).random
 
 
 def test_a_k_past_the_wide_bound_takes_the_radix_select():

@@ -54,6 +54,16 @@ def test_defaults_follow_vllm():
         (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be True or False, got 1"),
         (dict(detokenize="yes"), "detokenize must be True or False"),
         (dict(spaces_between_special_tokens=0), "spaces_between_special_tokens must be True or False"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids must name at least one token"),
+        (dict(allowed_token_ids=[3, -1]), r"allowed_token_ids must be token ids \(ints >= 0\), got -1"),
+        (dict(allowed_token_ids=[1.5]), "allowed_token_ids must be token ids .*, got 1.5"),
+        (dict(allowed_token_ids=[True]), "allowed_token_ids must be token ids .*, got True"),
+        (dict(allowed_token_ids=["7"]), "allowed_token_ids must be token ids .*, got '7'"),
+        (dict(allowed_token_ids=5), "allowed_token_ids must be a list, got int"),
+        (dict(bad_words="word"), "bad_words must be a list, got str"),
+        (dict(bad_words=["ok", 5]), "bad_words must be non-empty strings, got 5"),
+        (dict(bad_words=[""]), "bad_words must be non-empty strings, got ''"),
+        (dict(bad_words=[["nested"]]), r"bad_words must be non-empty strings, got \['nested'\]"),
     ],
 )
 def test_bad_values_raise_naming_field_and_range(kwargs, message):
@@ -65,6 +75,27 @@ def test_normalisation():
     p = P(stop="###", top_k=-1, logit_bias={"7": 250, 3: -1000.0}, max_tokens=None, min_tokens=100)
     assert p.stop == ["###"] and p.top_k == 0 and p.max_tokens is None
     assert p.logit_bias == {7: 100.0, 3: -100.0}  # keys as ints, values clamped like vLLM
+
+
+def test_allowed_token_ids_and_bad_words_lose_repeats_and_survive_clone():
+    np = pytest.importorskip("numpy")
+    p = P(allowed_token_ids=(5, 3, 5, np.int64(9)), bad_words=["foo", "bar", "foo"])
+    assert p.allowed_token_ids == [5, 3, 9] and all(type(t) is int for t in p.allowed_token_ids)
+    assert p.bad_words == ["foo", "bar"]
+    assert P().allowed_token_ids is None and P().bad_words == []
+    assert P(allowed_token_ids=np.array([4, 2])).allowed_token_ids == [4, 2]
+    child = p.clone(seed=1)
+    child.allowed_token_ids.append(7)
+    child.bad_words.append("baz")
+    assert (child.allowed_token_ids, child.bad_words) == ([5, 3, 9, 7], ["foo", "bar", "baz"])
+    assert (p.allowed_token_ids, p.bad_words) == ([5, 3, 9], ["foo", "bar"])
+
+
+def test_bias_table_entries_count_what_a_row_can_need():
+    # allowed ids alone: logit_bias, suppressed stops and bans of other ids are masked out anyway
+    assert P(allowed_token_ids=[1, 2, 3], logit_bias={9: 1.0}, min_tokens=2).bias_table_entries([7], {8}) == 3
+    assert P(logit_bias={1: 1.0, 2: 1.0}).bias_table_entries([7], {2, 8}) == 3  # stops only with min_tokens
+    assert P(logit_bias={1: 1.0}, stop_token_ids=[5], min_tokens=1).bias_table_entries([7]) == 3
 
 
 def test_numpy_scalars_are_taken_as_the_python_values_they_hold():

@@ -368,6 +368,16 @@ ERROR_CASES = [  # (name, route, body, status, the error body's param)
     ("prompt too long", "/v1/completions", {"prompt": "x" * 400, "max_tokens": 4}, 400, None),
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),
+    ("empty allowed_token_ids", "/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("allowed_token_ids out of vocab", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "allowed_token_ids": [1, 384]}, 400, "allowed_token_ids"),
+    ("too many allowed_token_ids", "/v1/completions", {"prompt": "x", "allowed_token_ids": list(range(333))}, 400,
+     "allowed_token_ids"),
+    ("empty bad word", "/v1/completions", {"prompt": "x", "bad_words": ["ok", ""]}, 400, "bad_words"),
+    ("bad word not a string", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "bad_words": [5]}, 400, "bad_words.0"),
+    ("too many bad words", "/v1/completions", {"prompt": "x", "bad_words": [f"w{i}" for i in range(129)]}, 400,
+     "bad_words"),  # found by the engine, which tokenizes them
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, None),
     ("lone surrogate", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, None),
     ("lone surrogate in chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
@@ -446,6 +456,18 @@ def test_bad_requests_get_openai_error_bodies(server, name, path, body, status, 
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_engine_from_both_endpoints(client):
+    extra = {"allowed_token_ids": [ord(c) for c in "abc"], "bad_words": ["b"], "ignore_eos": True}
+    completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=1.0, seed=1,
+                                           logprobs=0, extra_body={**extra, "return_tokens_as_token_ids": True})
+    assert len(completion.choices[0].text) == 12 and set(completion.choices[0].text) <= {"a", "c"}
+    assert set(_ids(completion.choices[0].logprobs.tokens)) <= {ord("a"), ord("c")}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                          temperature=0, extra_body=extra)
+    text = chat.choices[0].message.content
+    assert len(text) == 12 and set(text) <= {"a", "c"}
 
 
 def test_plain_text_format_and_tool_choice_none_are_served(client):

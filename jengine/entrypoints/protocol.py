@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES
+from jengine.sampler import check_bias_table
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # OpenAI allows at most 5 logprobs for completions; vLLM accepts up to the sampler's width.
@@ -76,6 +76,8 @@ class _Sampling(_Body):
     min_tokens: int = 0
     truncate_prompt_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's extra fields
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -127,7 +129,8 @@ class _Sampling(_Body):
         return SamplingParams(
             n=self.n, seed=self.seed, stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,
-            logprobs=logprobs, logit_bias=self.logit_bias,
+            logprobs=logprobs, logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, **kw)
@@ -319,14 +322,12 @@ def check_fits_engine(params: SamplingParams, vocab_size: int, eos_token_ids, ma
     """Limits the sampler enforces only inside a step (where an error would stop the engine)."""
     if params.n > max_num_seqs:
         raise ValueError(f"n must be <= {max_num_seqs} (max_num_seqs), got {params.n}")
-    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    entries = set(params.logit_bias) | set(params.stop_token_ids) | set(eos_token_ids)
-    if len(entries) > DEFAULT_MAX_BIAS_ENTRIES:
-        raise ValueError(f"logit_bias and stop_token_ids together may name at most "
-                         f"{DEFAULT_MAX_BIAS_ENTRIES} tokens, got {len(entries)}")
+    check_bias_table(params, eos_token_ids)  # bad words, which need the tokenizer, are checked by the engine
 
 
 def _as_prompt_list(value, field: str) -> list[str | list[int]]:
