@@ -15,6 +15,8 @@ import enum
 import math
 from typing import Any
 
+from jengine.structured_output import StructuredOutputsParams
+
 # Below this temperature a request is greedy (argmax), as in vLLM (`_SAMPLING_EPS`).
 SAMPLING_EPS = 1e-5
 # The sampler always returns this many top logprobs per row (fixed shape); requests ask for <= this.
@@ -87,6 +89,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    # vLLM's: constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar (a
+    # StructuredOutputsParams, or a dict of its fields)
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -129,6 +134,7 @@ class SamplingParams:
                     raise ValueError(f"logit_bias[{tok}] must be a number, got {v!r}")
                 bias[tok] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
             self.logit_bias = bias
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
     def _verify(self) -> None:
         if not _is_int(self.n) or self.n < 1:

@@ -9,7 +9,8 @@ import os
 import subprocess
 import sys
 
-HOST_MODULES = ["request", "block_manager", "scheduler", "buckets", "sampling_params", "generation_config", "prompts"]
+HOST_MODULES = ["request", "block_manager", "scheduler", "buckets", "sampling_params", "generation_config", "prompts",
+                "structured_output"]
 
 _PROBE = """
 import importlib, sys, types
