@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jengine.structured_output import StructuredOutputsParams, grammar_text
 
 # OpenAI allows at most 5 logprobs for completions; vLLM accepts up to the sampler's width.
 MAX_COMPLETION_LOGPROBS = MAX_LOGPROBS
@@ -52,8 +53,16 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(_Body):
@@ -82,17 +91,20 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens spelled "token_id:N"
-    # Structured output needs guided decoding, which jengine does not have: only plain text is accepted,
-    # so that a client asking for JSON gets an error instead of unconstrained text.
+    # Structured outputs: OpenAI's response_format (json_object, json_schema), vLLM's structured_outputs
+    # (StructuredOutputsParams' fields) and the guided_* fields older vLLM versions took (`_structured_outputs`)
     response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict | None = None) -> SamplingParams:
         """`defaults` (the model's generation config, by SamplingParams field) fill the sampling fields and
         `max_tokens` the request leaves unset (None); what is still unset keeps SamplingParams' default."""
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported (no guided "
-                             "decoding); only 'text'")
+        structured_outputs = self._structured_outputs()
         defaults = defaults or {}
         kw = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -112,7 +124,40 @@ class _Sampling(_Body):
             logprobs=logprobs, logit_bias=self.logit_bias,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, **kw)
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured_outputs, **kw)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's constraint, checked, as vLLM reads it: `structured_outputs`, whose constraint a
+        json_object or json_schema `response_format` replaces (its options stay); the older guided_* fields
+        name one constraint each. A ValueError names the request field at fault."""
+        fields, source = dict(self.structured_outputs or {}), "structured_outputs"
+        legacy = {name: value for name, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                                                  ("choice", self.guided_choice), ("grammar", self.guided_grammar))
+                  if value is not None}
+        if legacy:
+            fields.update(legacy)
+            source = "guided_" + next(iter(legacy))
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if fmt.type == "json_object":
+                override = {"json_object": True}
+            elif fmt.type == "json_schema":
+                if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                    raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+                override = {"json": fmt.json_schema.json_schema}
+            else:
+                raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got "
+                                 f"{fmt.type!r}")
+            fields.update(override)
+            source = "response_format"
+        if not fields:
+            return None
+        try:
+            params = StructuredOutputsParams.of(fields)
+            grammar_text(params)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+        return params
 
 
 class CompletionRequest(_Sampling):
