@@ -167,6 +167,7 @@ class LLMEngine:
         self._children: dict[str, _Child] = {}  # by the child's (scheduler) request id
         self._rng_counter = 0
         self._grammars: GrammarCompiler | None = None  # made at the first request with structured outputs
+        self._guided: set[str] = set()  # (scheduler) request ids of the unfinished children with a matcher
         self._inflight = None  # (SchedulerOutput, (SamplerOutput, prompt logprobs)) of the step on the device
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of step()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_prompt_tokens": 0, "steps": 0,
@@ -214,6 +215,7 @@ class LLMEngine:
                                    logprob_dicts=[] if keep_dicts else None, matcher=matchers[i]))
             self._rng_counter += 1
         self._children.update((c.request.request_id, c) for c in children)
+        self._guided.update(c.request.request_id for c in children if c.matcher is not None)
         group = _Group(request_id, text, ids, params, children)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = FlatLogprobs([None])
@@ -255,6 +257,7 @@ class LLMEngine:
         for child in group.children:
             self.scheduler.abort(child.request.request_id)
             self._children.pop(child.request.request_id, None)
+            self._guided.discard(child.request.request_id)
 
     def num_unfinished_requests(self) -> int:
         return len(self._groups)
@@ -401,14 +404,10 @@ class LLMEngine:
     def _token_bitmask(self, sched: SchedulerOutput, num_seqs: int):
         """The step's allowed tokens `[num_seqs, ceil(V / 32)]` where a row that samples is guided, else None
         (the unguided program). Every guided row's previous token is known here (`_needs_history`)."""
-        if self._grammars is None:
+        if not self._guided:
             return None
-        rows = []
-        for i, entry in enumerate(sched.scheduled):
-            child = self._children.get(entry.request_id)
-            if child is not None and child.matcher is not None and entry.produces_token \
-                    and not entry.request.is_finished:
-                rows.append((i, child.matcher))
+        rows = [(i, self._children[entry.request_id].matcher) for i, entry in enumerate(sched.scheduled)
+                if entry.request_id in self._guided and entry.produces_token and not entry.request.is_finished]
         return self._grammars.fill_bitmask(rows, num_seqs) if rows else None
 
     def _prompt_targets(self, entry) -> list[int] | None:
@@ -491,6 +490,7 @@ class LLMEngine:
             del self._groups[group_id]
             for child in group.children:
                 self._children.pop(child.request.request_id, None)
+                self._guided.discard(child.request.request_id)
         return out
 
 

@@ -111,3 +111,19 @@ def test_structured_outputs_travel_to_engine_processes_and_followers():
     params = SamplingParams(n=2, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
     assert pickle.loads(pickle.dumps(params)) == params  # engine_core's child process
     assert decode_params(json.loads(json.dumps(encode_params(params)))) == params  # multi-host followers
+
+
+def test_preempted_guided_requests_resume_where_their_grammar_was():
+    """Recompute preemption drops a request's pages, not its matcher: the resumed request goes on from the
+    tokens it has, so its output still matches in full (7 usable pages of 16 tokens, four 32-token prompts)."""
+    llm = LLM("jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=128,
+              token_buckets=(16, 128), seq_buckets=(4,), num_gpu_blocks_override=8, preemption_mode="recompute",
+              use_tqdm_on_load=False)
+    prompts = [[(7 * i + j) % 250 for j in range(32)] for i in range(4)]
+    so = StructuredOutputsParams(regex="[a-z]{5}(-[0-9]{4}){6}")
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=2, max_tokens=40, structured_outputs=so),
+                        use_tqdm=False)
+    assert llm.engine.stats["preemptions"] > 0
+    for o in outs:
+        assert re.fullmatch("[a-z]{5}(-[0-9]{4}){6}", o.outputs[0].text) and o.outputs[0].finish_reason == "stop"
+    _assert_no_leak(llm)
