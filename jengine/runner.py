@@ -127,11 +127,11 @@ SAMPLER_VARIANTS = tuple(SamplerSwitches(k, p, r, top, bound, small_p) for k, p,
 
 def _sample(logits, ints, floats, ids_buffer, *, layout, filter_k: bool, filter_p: bool, random: bool,
             top_logprobs: bool, k_bound: int, small_p: bool, guided: bool):
-    """Sampling as its own program per (S, filter_k, filter_p, random, top_logprobs, k_bound, small_p): the
-    host knows which of top-k and top-p (and which select), the general program (random draws, logit_bias,
-    penalties) and top logprobs the batch needs, so no data-dependent branch is needed. Also writes the ids
-    into the first rows of the donated `ids_buffer [max_seqs]`, which the next step's forward reads as its
-    `prev_ids`."""
+    """Sampling as its own program per (S, filter_k, filter_p, random, top_logprobs, k_bound, small_p, guided):
+    the host knows which of top-k and top-p (and which select), the general program (random draws, logit_bias,
+    penalties), top logprobs and the token bitmask the batch needs, so no data-dependent branch is needed.
+    Also writes the ids into the first rows of the donated `ids_buffer [max_seqs]`, which the next step's
+    forward reads as its `prev_ids`."""
     out = sample(logits, unpack(ints, floats, layout), filter_k=filter_k, filter_p=filter_p, random=random,
                  top_logprobs=top_logprobs, k_bound=k_bound, small_p=small_p, guided=guided)
     # First: jit gives a donated input to the first output of its shape, and `out.next_ids` has this

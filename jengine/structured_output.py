@@ -20,7 +20,6 @@ import json
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
@@ -169,6 +168,8 @@ class GrammarCompiler:
     which a complete grammar allows."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids=()):
+        import llguidance.hf  # imports transformers: only once a request has structured outputs
+
         eos = [int(t) for t in eos_token_ids] or None
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, max(vocab_size, len(hf_tokenizer)), eos)
         self.vocab_size = vocab_size
