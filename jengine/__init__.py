@@ -92,6 +92,7 @@ _LAZY = {
     "LLM": "jengine.llm",
     "SamplingParams": "jengine.sampling_params",
     "RequestOutputKind": "jengine.sampling_params",
+    "StructuredOutputsParams": "jengine.structured_output",
     "RequestOutput": "jengine.outputs",
     "CompletionOutput": "jengine.outputs",
     "Logprob": "jengine.logprobs",

@@ -31,6 +31,7 @@ from jengine.sampler import (
     SamplerSwitches,
     build_sampling_tensors,
     compute_logprobs,
+    guided_switches,
     program_inputs,
     sample,
     sampler_switches,
@@ -117,20 +118,22 @@ def _forward(params, kv_caches, ints, floats, prev_ids, logits_buffer, hidden_bu
 _FILTERS = ((False, False, False, 0, False), (False, False, True, 0, False), (False, True, True, 0, False),
             (True, True, True, 0, False), (True, True, True, SMALL_TOP_K, False),
             (True, True, True, SMALL_TOP_K, True), (True, True, True, WIDE_TOP_K, True))
-# (filter_k, filter_p, random, k_bound, small_p) above
+# (filter_k, filter_p, random, k_bound, small_p) above; then the two programs of guided batches
+# (structured outputs, `guided_switches`): without filters, and with both in their general form
 SAMPLER_VARIANTS = tuple(SamplerSwitches(k, p, r, top, bound, small_p) for k, p, r, bound, small_p in _FILTERS
-                         for top in (False, True))
+                         for top in (False, True)) + tuple(
+    guided_switches(SamplerSwitches(f, f, True, True)) for f in (False, True))
 
 
 def _sample(logits, ints, floats, ids_buffer, *, layout, filter_k: bool, filter_p: bool, random: bool,
-            top_logprobs: bool, k_bound: int, small_p: bool):
-    """Sampling as its own program per (S, filter_k, filter_p, random, top_logprobs, k_bound, small_p): the
-    host knows which of top-k and top-p (and which select), the general program (random draws, logit_bias,
-    penalties) and top logprobs the batch needs, so no data-dependent branch is needed. Also writes the ids
-    into the first rows of the donated `ids_buffer [max_seqs]`, which the next step's forward reads as its
-    `prev_ids`."""
+            top_logprobs: bool, k_bound: int, small_p: bool, guided: bool):
+    """Sampling as its own program per (S, filter_k, filter_p, random, top_logprobs, k_bound, small_p, guided):
+    the host knows which of top-k and top-p (and which select), the general program (random draws, logit_bias,
+    penalties), top logprobs and the token bitmask the batch needs, so no data-dependent branch is needed.
+    Also writes the ids into the first rows of the donated `ids_buffer [max_seqs]`, which the next step's
+    forward reads as its `prev_ids`."""
     out = sample(logits, unpack(ints, floats, layout), filter_k=filter_k, filter_p=filter_p, random=random,
-                 top_logprobs=top_logprobs, k_bound=k_bound, small_p=small_p)
+                 top_logprobs=top_logprobs, k_bound=k_bound, small_p=small_p, guided=guided)
     # First: jit gives a donated input to the first output of its shape, and `out.next_ids` has this
     # one's when S is the largest bucket.
     return jax.lax.dynamic_update_slice(ids_buffer, out.next_ids, (0,)), out

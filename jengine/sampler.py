@@ -6,6 +6,7 @@ in it is None and every option has an inert value, so a request that switches to
 never changes the program: only array *values* differ.
 
 Device side: `sample(logits[S, V], tensors)` applies, in vLLM's order,
+    [structured outputs: the token bitmask] ->
     allowed_token_ids, bad words, logit_bias, min_tokens suppression of stop ids (all one bias table)
     -> repetition/presence/frequency penalties
     -> [greedy rows: argmax] -> temperature -> min_p -> top_k -> top_p -> categorical draw,
@@ -78,6 +79,9 @@ class SamplingTensors:
     rng_stream: jax.Array  # [S] uint32; 0 for seeded rows, 1 + per-request counter otherwise
     rng_step: jax.Array  # [S] uint32; number of tokens the request has generated so far
     wants_logprobs: jax.Array  # [S] bool; the request asked for logprobs (decides `sampler_switches`)
+    # [S, ceil(V / 32)] int32, bit j of word w allows token 32 w + j (structured outputs; unguided rows all
+    # ones); [S, 0] when no row is guided
+    token_bitmask: jax.Array
 
 
 class SamplingRow(NamedTuple):
@@ -116,6 +120,7 @@ def build_sampling_tensors(
     eos_token_ids: Sequence[int] = (),
     penalty_window: int = DEFAULT_PENALTY_WINDOW,
     max_bias_entries: int = DEFAULT_MAX_BIAS_ENTRIES,
+    token_bitmask: np.ndarray | None = None,
 ) -> SamplingTensors:
     """Numpy `SamplingTensors` for `rows` (in batch order), padded to `num_rows_padded` inert rows.
 
@@ -125,7 +130,9 @@ def build_sampling_tensors(
     for other ids would be masked out anyway and are left out (a step where every allowed id is suppressed
     or banned leaves nothing to sample, as in vLLM; the token is then undefined). If a row has more unique
     prompt+output tokens than `penalty_window`, output tokens are kept first (most frequent first), then
-    prompt tokens in id order; penalties skip the rest.
+    prompt tokens in id order; penalties skip the rest. `token_bitmask`: the allowed tokens of the batch's
+    rows (`[len(rows) or more, ceil(V / 32)]` int32, `jengine.structured_output`) where some row is
+    guided, padded here with all-ones rows; None leaves the table out (`[S, 0]`).
     """
     S, V, W, B = num_rows_padded, vocab_size, penalty_window, max_bias_entries
     if len(rows) > S:
@@ -201,6 +208,7 @@ def build_sampling_tensors(
         penalty_ids=penalty_ids, penalty_output_counts=penalty_counts,
         bias_ids=bias_ids, bias_values=bias_values, allow_only=allow_only,
         rng_key_words=key_words, rng_stream=stream, rng_step=step, wants_logprobs=wants_logprobs,
+        token_bitmask=_padded_bitmask(token_bitmask, S, V),
     )
 
 
@@ -220,6 +228,22 @@ def check_bias_table(params: SamplingParams, eos_token_ids: Sequence[int] = (),
                      f"EOS ids count while min_tokens is not reached); at most {cap} are supported")
 
 
+def _padded_bitmask(bitmask: np.ndarray | None, S: int, V: int) -> np.ndarray:
+    """A guided batch's token bitmask as the `[S, ceil(V / 32)]` table (padding rows allow everything),
+    or `[S, 0]` without one."""
+    if bitmask is None:
+        return np.zeros((S, 0), np.int32)
+    words = (V + 31) // 32
+    bitmask = np.asarray(bitmask, np.int32)
+    if bitmask.ndim != 2 or bitmask.shape[1] != words or bitmask.shape[0] > S:
+        raise ValueError(f"token_bitmask must be [at most {S}, {words}], got {bitmask.shape}")
+    if bitmask.shape[0] == S:
+        return bitmask
+    table = np.full((S, words), -1, np.int32)
+    table[: bitmask.shape[0]] = bitmask
+    return table
+
+
 class SamplerSwitches(NamedTuple):
     """The sampling program's static switches for one batch (see `sample`)."""
 
@@ -232,6 +256,8 @@ class SamplerSwitches(NamedTuple):
     k_bound: int = 0
     # with k_bound: every top-p row is also a top-k row, so top-p looks at the k_bound candidates only
     small_p: bool = False
+    # some row is guided (structured outputs): tokens its `token_bitmask` row does not allow are masked
+    guided: bool = False
 
 
 def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
@@ -266,7 +292,16 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
         or np.any(np.asarray(t.repetition_penalty) != 1.0)
         or np.any(np.asarray(t.presence_penalty) != 0.0) or np.any(np.asarray(t.frequency_penalty) != 0.0))
     random = filter_p or adjust or not bool(np.all(t.greedy))
-    return SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)), k_bound, small_p)
+    switches = SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)), k_bound, small_p)
+    return guided_switches(switches) if np.asarray(t.token_bitmask).shape[1] else switches
+
+
+def guided_switches(switches: SamplerSwitches) -> SamplerSwitches:
+    """The program of a guided batch that does what `switches` asks: guided batches take the general program
+    with top logprobs, with no filter or with both selects in their general form, so that they add two
+    programs per S, not one per variant (guided steps wait for the previous step's tokens anyway)."""
+    filters = switches.filter_k or switches.filter_p
+    return SamplerSwitches(filter_k=filters, filter_p=filters, random=True, top_logprobs=True, guided=True)
 
 
 # The tables only the general (`random`) program reads: at S=256 they are ~2.7 MB a step to pack and copy.
@@ -339,6 +374,15 @@ def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return logits.at[_rows(S), ids].set(new, mode="drop")
 
 
+def _apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where a row's bitmask `[S, ceil(V / 32)]` int32 does not allow the token (bit j of word w is
+    token 32 w + j)."""
+    S, V = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(S, -1)[:, :V] != 0  # [S, V]
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     """Drop tokens whose probability is below min_p * (max probability): p_i/p_max = exp(l_i - l_max)."""
     ratio = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [S, V]
@@ -395,18 +439,22 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
 
 def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = True, filter_p: bool = True,
                    k_bound: int = 0, small_p: bool = False, adjust: bool = True,
-                   temper: bool = True) -> jax.Array:
+                   temper: bool = True, guided: bool = False) -> jax.Array:
     """logits [S, V] -> the distribution each row samples from [S, V] (masked tokens are -inf).
 
     Static choices of a caller that knows the batch (so the program has no data-dependent branch):
     `filter_k=False` / `filter_p=False` skip top-k / top-p (no row uses it), `adjust=False` the bias table and the
     penalties (no row has any), `temper=False` temperature and min_p (every row greedy, and only the
-    argmax of the result is used: neither moves a row's largest logit).
+    argmax of the result is used: neither moves a row's largest logit), `guided=False` the token bitmask
+    (no row has structured outputs; applied first, as a row's allowed set, like logit_bias it leaves raw
+    logprobs alone).
 
     For greedy rows (temperature 1, filters off) this is the biased, penalised logits, whose argmax is
     the greedy token; filters always keep the max token, so argmax of the result is that token anyway.
     """
     logits = logits.astype(jnp.float32)
+    if guided:
+        logits = _apply_token_bitmask(logits, t.token_bitmask)
     if adjust:
         logits = _apply_penalties(_apply_bias_table(logits, t), t)
     if temper:
@@ -464,6 +512,7 @@ def sample(
     k_bound: int = 0,
     small_p: bool = False,
     logprobs_mode: str = "raw_logprobs",
+    guided: bool = False,
 ) -> SamplerOutput:
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
     arguments static; the tensors' values never cause a recompilation. The host, which knows the
@@ -478,12 +527,12 @@ def sample(
     an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-20 over [S, V]: 0.11 ms at S=256 on an
     H200, 0.05 at S=8, and no rank; the top ids are then -1, their logprobs -inf
-    and the ranks 0)."""
+    and the ranks 0), `guided=False` when no row has a token bitmask (structured outputs)."""
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
     assert logits.shape[0] == t.temperature.shape[0], (logits.shape, t.temperature.shape)
     processed = process_logits(logits, t, filter_k=filter_k, filter_p=filter_p, k_bound=k_bound, small_p=small_p,
-                               adjust=random,
+                               adjust=random, guided=guided,
                                temper=random or logprobs_mode == "processed_logprobs")  # [S, V]
     next_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [S]
     if random:

@@ -15,6 +15,8 @@ import enum
 import math
 from typing import Any
 
+from jengine.structured_output import StructuredOutputsParams
+
 # Below this temperature a request is greedy (argmax), as in vLLM (`_SAMPLING_EPS`).
 SAMPLING_EPS = 1e-5
 # The sampler always returns this many top logprobs per row (fixed shape); requests ask for <= this.
@@ -103,6 +105,9 @@ class SamplingParams:
     # vLLM's: words never to be generated (each word's last token is banned where the output so far ends
     # with its other tokens); tokenized by the engine (`jengine.bad_words`)
     bad_words: list[str] | None = None
+    # vLLM's: constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar (a
+    # StructuredOutputsParams, or a dict of its fields)
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -148,6 +153,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
         self.bad_words = [] if self.bad_words is None else _as_list("bad_words", self.bad_words)
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
     def _verify(self) -> None:
         if not _is_int(self.n) or self.n < 1:

@@ -224,8 +224,11 @@ class ProgramBuilder:
         return self.runner.graphs and bucket[0] <= self.runner.max_seqs
 
     def _dummy_sampling(self, num_seqs: int, variant: SamplerSwitches):
-        """Packed sampling inputs `(ints, floats, layout)` of a padding-only batch for a sampler variant."""
-        tensors = build_sampling_tensors([], num_seqs, self.runner.cfg.vocab_size)
+        """Packed sampling inputs `(ints, floats, layout)` of a padding-only batch for a sampler variant (a
+        guided one's with its token bitmask, all ones)."""
+        vocab = self.runner.cfg.vocab_size
+        bitmask = np.full((num_seqs, (vocab + 31) // 32), -1, np.int32) if variant.guided else None
+        tensors = build_sampling_tensors([], num_seqs, vocab, token_bitmask=bitmask)
         return pack(program_inputs(tensors, variant))
 
     def _run_every_program(self, buckets: list[tuple[int, int]]) -> None:

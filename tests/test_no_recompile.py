@@ -42,6 +42,9 @@ def _random_params(rng: random.Random) -> SamplingParams:
         options.update(stop=["ab"], stop_token_ids=[rng.randrange(256)], min_tokens=1)
     if rng.random() < 0.2:  # a one-token and a two-token word, and a bias table of allowed ids
         options.update(bad_words=["q", "ab"], allowed_token_ids=rng.sample(range(384), rng.choice([1, 3, 200])))
+    elif rng.random() < 0.25:  # structured outputs: the guided sampling programs
+        options.update(structured_outputs=rng.choice([{"regex": "[a-f0-9]{3,20}"}, {"choice": ["yes", "no"]},
+                                                      {"json_object": True}]))
     return SamplingParams(**options)
 
 
@@ -54,6 +57,7 @@ def test_randomised_workload_compiles_nothing_after_warmup(compile_counter):
     compile_counter.clear()
     rng = random.Random(0)
     shared = [rng.randrange(256) for _ in range(40)]
+    guided = 0
     for _ in range(4):
         prompts, params = [], []
         for _ in range(rng.randint(1, 10)):
@@ -62,5 +66,6 @@ def test_randomised_workload_compiles_nothing_after_warmup(compile_counter):
             params.append(_random_params(rng))
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert len(outputs) == len(prompts)
-    assert llm.engine.stats["preemptions"] > 0
+        guided += sum(p.structured_outputs is not None for p in params)
+    assert llm.engine.stats["preemptions"] > 0 and guided > 0
     assert compile_counter == [], f"{len(compile_counter)} compilations after warm-up"

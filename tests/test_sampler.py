@@ -179,7 +179,7 @@ def test_top_p_among_the_top_k_candidates_keeps_what_the_radix_select_keeps(kind
     t = build_sampling_tensors([SamplingRow(P(top_k=int(k) if k < vocab else -1, top_p=float(p), temperature=0.7),
                                             [], []) for k, p in zip(top_k, top_p)], rows, vocab, penalty_window=8,
                                max_bias_entries=8)
-    assert tuple(sampler_switches(t, vocab))[4:] == (bound, True)
+    assert tuple(sampler_switches(t, vocab))[4:6] == (bound, True)
     np.testing.assert_array_equal(np.asarray(t.top_k), top_k)
     args = (jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p))
     full = np.asarray(_apply_top_k_top_p(*args))
@@ -411,7 +411,7 @@ def test_one_compilation_serves_every_option_mix():
 def test_sampler_switches_follow_the_batch(options, expected):
     rows = [SamplingRow(P(**o), [1, 2], []) for o in options]
     t = build_sampling_tensors(rows, 8, 100)
-    assert tuple(sampler_switches(t, 100)) == expected
+    assert sampler_switches(t, 100) == SamplerSwitches(*expected)
 
 
 def test_greedy_rows_keep_the_greedy_program_while_their_bad_words_ban_nothing():
@@ -426,9 +426,9 @@ def test_greedy_rows_keep_the_greedy_program_while_their_bad_words_ban_nothing()
 
 def test_a_k_past_the_wide_bound_takes_the_radix_select():
     rows = [SamplingRow(P(temperature=0.7, top_k=k), [], []) for k in (5, 257)]
-    assert sampler_switches(build_sampling_tensors(rows, 8, 1000), 1000)[4:] == (0, False)
+    assert sampler_switches(build_sampling_tensors(rows, 8, 1000), 1000)[4:6] == (0, False)
     rows = [SamplingRow(P(temperature=0.7, top_k=k), [], []) for k in (5, 256)]
-    assert sampler_switches(build_sampling_tensors(rows, 8, 1000), 1000)[4:] == (256, True)
+    assert sampler_switches(build_sampling_tensors(rows, 8, 1000), 1000)[4:6] == (256, True)
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
@@ -441,7 +441,7 @@ def test_the_greedy_program_samples_like_the_general_one(mode):
     rows = [SamplingRow(p, [1, 2], [3], i) for i, p in enumerate(
         [P(temperature=0), P(temperature=0, min_p=0.9), P(temperature=0, logprobs=3), P(temperature=0, top_k=-1)])]
     t = tensors(rows, S=5)
-    assert tuple(sampler_switches(t, V)) == (False, False, False, True, 0, False)
+    assert sampler_switches(t, V) == SamplerSwitches(False, False, False, True, 0, False)
     greedy = jax.jit(functools.partial(sample, filter_k=False, filter_p=False, random=False, logprobs_mode=mode))
     general = jax.jit(functools.partial(sample, filter_k=False, filter_p=False, random=True, logprobs_mode=mode))
     for f, g in zip(greedy(logits, t), general(logits, t)):

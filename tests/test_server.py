@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 
 import httpx
@@ -383,8 +385,19 @@ ERROR_CASES = [  # (name, route, body, status, the error body's param)
     ("lone surrogate in chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
      400, None),
     ("lone surrogate to tokenize", "/tokenize", b'{"prompt": "\\ud800"}', 400, None),
-    ("json mode", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                            "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("malformed json_schema", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, 400,
+     "response_format"),
+    ("json_schema without a schema", "/v1/completions",
+     {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
+    ("unknown response_format", "/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, 400,
+     "response_format"),
+    ("bad structured_outputs regex", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(a"}}, 400,
+     "structured_outputs"),
+    ("two structured_outputs constraints", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs"),
+    ("bad guided_regex", "/v1/completions", {"prompt": "x", "guided_regex": "[0-9"}, 400, "guided_regex"),
+    ("empty guided_choice", "/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
     ("tools without a parser", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
      400, "tools"),
@@ -428,10 +441,6 @@ ERROR_CASES = [  # (name, route, body, status, the error body's param)
     ("the default 16 past max_model_len", "/v1/completions", {"prompt": [7] * 250}, 400, "max_tokens"),
     ("priority without priority scheduling", "/v1/completions", {"prompt": "x", "priority": 1}, 400, "priority"),
     ("beam search", "/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
-    ("structured outputs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"choice": ["a", "b"]}}, 400,
-     "structured_outputs"),
-    ("guided_json", "/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("logprob_token_ids", "/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": [5]}, 400,
      "logprob_token_ids"),
     ("cache_salt", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": "s"}, 400,
@@ -476,6 +485,41 @@ def test_plain_text_format_and_tool_choice_none_are_served(client):
     plain = client.chat.completions.create(**kw).choices[0].message.content
     assert client.chat.completions.create(response_format={"type": "text"}, **kw).choices[0].message.content == plain
     assert client.chat.completions.create(tools=tools, tool_choice="none", **kw).choices[0].message.content == plain
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_outputs_constrain_chat_and_completions(client):
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=60, temperature=0.8, seed=3)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}  # options stay beside response_format
+    for stream in (False, True):
+        out = client.chat.completions.create(response_format=fmt, extra_body=compact, stream=stream, **chat)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+        else:
+            text = out.choices[0].message.content
+        person = json.loads(text)
+        assert set(person) == {"name", "age"} and type(person["age"]) is int and len(person["name"]) <= 8
+    obj = client.chat.completions.create(response_format={"type": "json_object"}, **{**chat, "temperature": 0})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    done = dict(model=MODEL, prompt="Is it?", max_tokens=8, n=2, temperature=1.0, seed=1)
+    choice = client.completions.create(extra_body={"structured_outputs": {"choice": ["yes", "no"]}}, **done)
+    assert [c.text in ("yes", "no") for c in choice.choices] == [True, True]
+    regex = client.completions.create(extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"}, **done)
+    assert all(re.fullmatch("[0-9]{3}-[0-9]{4}", c.text) for c in regex.choices)
+
+
+def test_a_malformed_schema_is_a_bad_request_through_the_client(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format=fmt)
+    assert e.value.status_code == 400
+    err = e.value.body.get("error", e.value.body)  # the client keeps the body's "error" object
+    assert err["param"] == "response_format" and "properties must be an object" in err["message"]
+    assert err["type"] == "BadRequestError"
 
 
 CHAT = [{"role": "user", "content": "hi"}]

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jengine.sampler import check_bias_table
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jengine.structured_output import StructuredOutputsParams, grammar_text
 
 # OpenAI allows at most 5 logprobs for completions; vLLM accepts up to the sampler's width.
 MAX_COMPLETION_LOGPROBS = MAX_LOGPROBS
@@ -53,8 +54,16 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk too (with include_usage)
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(_Body):
@@ -91,28 +100,26 @@ class _Sampling(_Body):
     return_token_ids: bool = False  # vLLM's: token ids beside the text (the prompt's too)
     # vLLM's extras jengine cannot honour; refused when set (`check_extras`) rather than silently ignored
     use_beam_search: bool = False
-    structured_outputs: dict | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list | None = None
-    guided_grammar: str | None = None
     logprob_token_ids: list[int] | None = None
     cache_salt: str | None = None
     truncation_side: Literal["left", "right"] | None = None
     kv_transfer_params: dict | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens spelled "token_id:N"
-    # Structured output needs guided decoding, which jengine does not have: only plain text is accepted,
-    # so that a client asking for JSON gets an error instead of unconstrained text.
+    # Structured outputs: OpenAI's response_format (json_object, json_schema), vLLM's structured_outputs
+    # (StructuredOutputsParams' fields) and the guided_* fields older vLLM versions took (`_structured_outputs`)
     response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict | None = None) -> SamplingParams:
         """`defaults` (the model's generation config, by SamplingParams field) fill the sampling fields and
         `max_tokens` the request leaves unset (None); what is still unset keeps SamplingParams' default."""
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported (no guided "
-                             "decoding); only 'text'")
+        structured_outputs = self._structured_outputs()
         defaults = defaults or {}
         kw = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -133,16 +140,46 @@ class _Sampling(_Body):
             bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, **kw)
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured_outputs, **kw)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's constraint, checked, as vLLM reads it: `structured_outputs`, whose constraint a
+        json_object or json_schema `response_format` replaces (its options stay); the older guided_* fields
+        name one constraint each. A ValueError names the request field at fault."""
+        fields, source = dict(self.structured_outputs or {}), "structured_outputs"
+        legacy = {name: value for name, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                                                  ("choice", self.guided_choice), ("grammar", self.guided_grammar))
+                  if value is not None}
+        if legacy:
+            fields.update(legacy)
+            source = "guided_" + next(iter(legacy))
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if fmt.type == "json_object":
+                override = {"json_object": True}
+            elif fmt.type == "json_schema":
+                if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                    raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+                override = {"json": fmt.json_schema.json_schema}
+            else:
+                raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got "
+                                 f"{fmt.type!r}")
+            fields.update(override)
+            source = "response_format"
+        if not fields:
+            return None
+        try:
+            params = StructuredOutputsParams.of(fields)
+            grammar_text(params)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+        return params
 
     def check_extras(self) -> None:
         """vLLM's extra fields: its rules for what only a stream, or only a whole response, can carry, and
         a 400 for those jengine cannot honour."""
         unsupported = {
             "use_beam_search": "beam search is offline only in jengine (LLM.beam_search)",
-            "structured_outputs": "jengine has no guided decoding", "guided_json": "jengine has no guided decoding",
-            "guided_regex": "jengine has no guided decoding", "guided_choice": "jengine has no guided decoding",
-            "guided_grammar": "jengine has no guided decoding",
             "logprob_token_ids": "logprobs come for the top tokens only",
             "cache_salt": "the prefix cache is not salted per request",
             "kv_transfer_params": "jengine has no KV transfer (disaggregated serving)"}

@@ -1,0 +1,223 @@
+"""Structured outputs (vLLM's guided decoding) on the host: the request's constraint, its grammar, and a
+matcher per sequence that says which tokens may come next.
+
+`StructuredOutputsParams` holds one constraint with vLLM's names (`json`, `json_object`, `regex`,
+`choice`, `grammar`); `grammar_text` turns it into an llguidance grammar and checks it, so that a bad
+schema or regex is a ValueError at the edge. `GrammarCompiler` binds grammars to the model's tokenizer
+and makes one `llguidance.LLMatcher` per sequence; `fill_bitmask` writes the allowed next tokens of
+several sequences into the sampler's `[S, ceil(V / 32)]` int32 table (bit j of word w allows token
+32 w + j). The engine feeds each sampled token back to its matcher (`consume`) and ends a sequence whose
+grammar is complete.
+
+Plain Python and numpy (no jax); llguidance is the grammar engine, as vLLM's "guidance" backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from typing import Any
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+# The constraint fields of StructuredOutputsParams: exactly one is set.
+CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+# Rows at or above this many are filled on llguidance's thread pool rather than one after another.
+_PARALLEL_ROWS = 4
+_MAX_CHOICES = 1024
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output, with vLLM's names and meaning:
+
+    - `json`: a JSON schema (a dict, or its JSON text) the output must match;
+    - `json_object`: True for any JSON object;
+    - `regex`: a regular expression the whole output must match;
+    - `choice`: the output is exactly one of these strings;
+    - `grammar`: a Lark grammar (or GBNF, which llguidance converts) the output must match.
+
+    `disable_any_whitespace` makes JSON compact (no whitespace between tokens); with
+    `disable_additional_properties` objects of a schema that do not say otherwise take no properties
+    beyond those listed (`additionalProperties: false`).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(CONSTRAINTS)}; got "
+                             f"{', '.join(set_) if set_ else 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or JSON text), got "
+                             f"{type(self.json).__name__}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            if len(self.choice) > _MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice may hold at most {_MAX_CHOICES} strings, "
+                                 f"got {len(self.choice)}")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must hold non-empty strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def kind(self) -> str:
+        """The constraint field that is set."""
+        return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
+
+    @classmethod
+    def of(cls, value: Any) -> StructuredOutputsParams | None:
+        """`value` as StructuredOutputsParams: one already, a dict of its fields (the JSON form of params),
+        or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict of its fields, got "
+                             f"{type(value).__name__}")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown fields {unknown}; allowed: "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**value)
+
+
+def _no_additional_properties(schema: Any) -> None:
+    """Give every object schema that lists properties and says nothing of others `additionalProperties:
+    false`, in place, through every place a schema can nest a schema."""
+    if isinstance(schema, list):
+        for item in schema:
+            _no_additional_properties(item)
+        return
+    if not isinstance(schema, dict):
+        return
+    for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                _no_additional_properties(sub)
+    for key in ("items", "prefixItems", "additionalProperties", "anyOf", "allOf", "oneOf", "not", "if", "then",
+                "else", "contains", "propertyNames"):
+        if isinstance(schema.get(key), (dict, list)):
+            _no_additional_properties(schema[key])
+    if "additionalProperties" not in schema and isinstance(schema.get("properties"), dict):
+        schema["additionalProperties"] = False
+
+
+def _schema(so: StructuredOutputsParams) -> dict:
+    if so.json_object:
+        return {"type": "object"}
+    schema = so.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+    if so.disable_additional_properties:
+        schema = copy.deepcopy(schema)
+        _no_additional_properties(schema)
+    return schema
+
+
+def grammar_text(so: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer | None = None) -> str:
+    """The llguidance grammar of a constraint, checked (against `tokenizer` where given): a ValueError
+    names the constraint and says what is wrong with it."""
+    kind = so.kind
+    try:
+        if kind in ("json", "json_object"):
+            schema = _schema(so)
+            text = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), defaults={"whitespace_flexible": not so.disable_any_whitespace})
+        elif kind == "regex":
+            text = llguidance.LLMatcher.grammar_from_regex(so.regex)
+        elif kind == "choice":
+            text = llguidance.grammar_from("choice", so.choice)
+        else:
+            text = llguidance.grammar_from("grammar", so.grammar)
+    except (TypeError, ValueError) as e:  # e.g. a schema that json cannot write, GBNF that does not convert
+        raise ValueError(f"structured_outputs.{kind} is invalid: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+    if error:
+        raise ValueError(f"structured_outputs.{kind} is invalid: {_one_line(error)}")
+    return text
+
+
+class GrammarCompiler:
+    """Grammars bound to one model's tokenizer: makes a matcher per sequence. `vocab_size` is the model's
+    (the logits' width), which may exceed the tokenizer's; `eos_token_ids` are the ids that end a request,
+    which a complete grammar allows."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids=()):
+        import llguidance.hf  # imports transformers: only once a request has structured outputs
+
+        eos = [int(t) for t in eos_token_ids] or None
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, max(vocab_size, len(hf_tokenizer)), eos)
+        self.vocab_size = vocab_size
+        self.executor = llguidance.LLExecutor()
+
+    def grammar(self, so: StructuredOutputsParams) -> str:
+        return grammar_text(so, self.tokenizer)
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of `grammar` (from `grammar()`)."""
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs is invalid: {_one_line(matcher.get_error())}")
+        return matcher
+
+    def fill_bitmask(self, rows: list[tuple[int, llguidance.LLMatcher]], num_rows: int) -> np.ndarray:
+        """The `[num_rows, ceil(V / 32)]` int32 table of allowed next tokens: each `(row, matcher)`'s row from
+        its matcher, every other row all ones (everything allowed)."""
+        words = bitmask_words(self.vocab_size)
+        full = llguidance.numpy.allocate_token_bitmask(num_rows, self.tokenizer.vocab_size)  # all ones
+        if len(rows) >= _PARALLEL_ROWS:
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, [(m, row) for row, m in rows], full)
+        else:
+            for row, matcher in rows:
+                llguidance.numpy.fill_next_token_bitmask(matcher, full, row)
+        return np.ascontiguousarray(full[:, :words])
+
+
+def _one_line(message: str) -> str:
+    """llguidance's multi-line error (with a source excerpt) as one line, as an HTTP error body carries it."""
+    return " ".join(message.split())
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Int32 words per row of a token bitmask over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def consume(matcher: llguidance.LLMatcher, token: int) -> bool:
+    """Advance `matcher` past a sampled token; True when the sequence must end here: its grammar is
+    complete (nothing may follow), or the token broke it (the matcher is in error and allows nothing but
+    EOS from now on)."""
+    if not matcher.is_stopped():
+        matcher.consume_token(int(token))
+    return matcher.is_stopped() or matcher.is_error()
+
+
+def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids a bitmask row allows (tests and debugging)."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask_row, np.int32).view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:vocab_size])

@@ -1,0 +1,128 @@
+"""The sampler's token bitmask (structured outputs): masked logits equal a numpy reference, greedy and
+random draws land on allowed tokens only, logprobs stay raw, and guided batches take a program that
+warm-up builds."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jengine.runner import SAMPLER_VARIANTS
+from jengine.sampler import (
+    SamplingRow,
+    build_sampling_tensors,
+    guided_switches,
+    process_logits,
+    program_inputs,
+    sample,
+    sampler_switches,
+)
+from jengine.sampling_params import SamplingParams as P
+
+V = 70  # three words per row, the last one partly past the vocabulary
+WORDS = 3
+
+_sample = jax.jit(sample, static_argnames=("filter_k", "filter_p", "random", "top_logprobs", "k_bound", "small_p",
+                                           "logprobs_mode", "guided"))
+
+
+def _random_bitmask(rng, rows: int, min_allowed: int = 1) -> np.ndarray:
+    """Random `[rows, WORDS]` int32 bitmasks (sign bits included) allowing at least `min_allowed` tokens < V."""
+    words = rng.integers(0, 2**32, (rows, WORDS), dtype=np.uint64).astype(np.uint32).view(np.int32)
+    for r in range(rows):
+        for t in rng.choice(V, min_allowed, replace=False):
+            words[r, t // 32] |= np.array(1 << (t % 32), np.uint32).view(np.int32)
+    return words
+
+
+def _allowed_reference(bitmask: np.ndarray) -> np.ndarray:
+    """[rows, V] bool: bit t % 32 of word t // 32, read through Python ints."""
+    return np.array([[(int(np.uint32(row[t // 32].view(np.uint32))) >> (t % 32)) & 1 == 1 for t in range(V)]
+                     for row in bitmask])
+
+
+def _tensors(params, bitmask, S=None):
+    rows = [SamplingRow(p, [1, 2], [], i) for i, p in enumerate(params)]
+    return build_sampling_tensors(rows, S or len(rows), V, penalty_window=8, max_bias_entries=8,
+                                  token_bitmask=bitmask)
+
+
+def test_masked_logits_equal_the_numpy_reference():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, V)).astype(np.float32)
+    bitmask = _random_bitmask(rng, 6)
+    bitmask[0] = -1  # every token
+    bitmask[1] = 0
+    bitmask[1, 2] = np.int32(-2**31)  # bit 31 of the last word only: token 95, past V: nothing allowed
+    t = _tensors([P()] * 6, bitmask)
+    got = np.asarray(jax.jit(process_logits, static_argnames=("filter_k", "filter_p", "adjust", "temper", "guided"))(
+        logits, t, filter_k=False, filter_p=False, adjust=False, temper=False, guided=True))
+    want = np.where(_allowed_reference(bitmask), logits, -np.inf)
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(got[0]).all() and np.isneginf(got[1]).all()
+
+
+@pytest.mark.parametrize("filters", [False, True])
+def test_greedy_and_random_draws_land_on_allowed_tokens_only(filters):
+    rng = np.random.default_rng(1)
+    S = 8
+    logits = (rng.standard_normal((S, V)) * 3).astype(np.float32)
+    bitmask = _random_bitmask(rng, S, min_allowed=3)
+    bitmask[:, :] &= rng.integers(0, 2**32, (S, WORDS), dtype=np.uint64).astype(np.uint32).view(np.int32)
+    for r in range(S):  # keep a few allowed
+        bitmask[r, r % WORDS] |= np.int32(0b1011)
+    allowed = _allowed_reference(bitmask)
+    extra = dict(top_k=5, top_p=0.9) if filters else {}
+    params = [P(temperature=0)] * 2 + [P(temperature=1.5, seed=s, **extra) for s in range(S - 2)]
+    t = _tensors(params, bitmask)
+    switches = sampler_switches(t, V)
+    assert switches == guided_switches(switches) and switches.filter_k == filters
+    seen = set()
+    for step in range(20):
+        t = dataclasses.replace(t, rng_step=np.full(S, step, np.uint32))
+        out = _sample(logits, t, **switches._asdict())
+        ids = np.asarray(out.next_ids)
+        assert allowed[np.arange(S), ids].all(), ids
+        seen.update((r, int(i)) for r, i in enumerate(ids))
+        # greedy rows: the largest allowed logit
+        for r in range(2):
+            assert ids[r] == np.argmax(np.where(allowed[r], logits[r], -np.inf))
+        # raw logprobs (the default) are the model's, unmasked, as for logit_bias
+        lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+        np.testing.assert_allclose(np.asarray(out.sampled_logprobs), lp[np.arange(S), ids], rtol=1e-5, atol=1e-5)
+    assert len({i for r, i in seen if r >= 2}) > S - 2  # random rows do draw different allowed tokens
+
+
+def test_processed_logprobs_leave_out_the_masked_tokens():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((2, V)).astype(np.float32)
+    bitmask = np.zeros((2, WORDS), np.int32)
+    bitmask[:, 0] = 0b110  # tokens 1 and 2
+    t = _tensors([P(temperature=0, logprobs=5), P(temperature=1.0, seed=3, logprobs=5)], bitmask)
+    out = _sample(logits, t, **sampler_switches(t, V)._asdict(), logprobs_mode="processed_logprobs")
+    top_ids, top_lp = np.asarray(out.topk_ids), np.asarray(out.topk_logprobs)
+    for r in range(2):
+        assert set(top_ids[r, :2].tolist()) == {1, 2} and np.isneginf(top_lp[r, 2:]).all()
+        np.testing.assert_allclose(np.exp(top_lp[r, :2]).sum(), 1.0, rtol=1e-5)
+
+
+def test_unguided_batches_keep_their_programs_and_guided_ones_take_a_warmed_up_one():
+    plain = _tensors([P(temperature=0)], None, S=4)
+    assert np.asarray(plain.token_bitmask).shape == (4, 0)
+    assert not sampler_switches(plain, V).guided
+    for params in ([P(temperature=0)], [P(temperature=0.7, top_p=0.5)], [P(top_k=3), P(min_p=0.2, logprobs=2)],
+                   [P(repetition_penalty=1.3, logit_bias={4: 2.0})], [P(temperature=0.9, top_k=300)]):
+        t = _tensors(params, np.full((1, WORDS), -1, np.int32), S=4)
+        assert np.asarray(t.token_bitmask).shape == (4, WORDS) and (np.asarray(t.token_bitmask) == -1).all()
+        switches = sampler_switches(t, V)
+        assert switches.guided and switches in SAMPLER_VARIANTS
+        np.testing.assert_array_equal(program_inputs(t, switches).token_bitmask, t.token_bitmask)
+    assert sum(v.guided for v in SAMPLER_VARIANTS) == 2
+
+
+def test_a_bitmask_of_the_wrong_shape_is_refused():
+    with pytest.raises(ValueError, match=r"token_bitmask must be \[at most 2, 3\]"):
+        _tensors([P()], np.zeros((1, 2), np.int32), S=2)
+    with pytest.raises(ValueError, match=r"token_bitmask must be"):
+        _tensors([P()], np.zeros((3, WORDS), np.int32), S=2)
