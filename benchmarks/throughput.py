@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import time
 
 import jax.numpy as jnp
@@ -45,7 +46,8 @@ def sampling_params(args, max_tokens: int):
     from jengine import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs,
-                          flat_logprobs=args.flat_logprobs, max_tokens=max_tokens, ignore_eos=True)
+                          flat_logprobs=args.flat_logprobs, max_tokens=max_tokens, ignore_eos=True,
+                          structured_outputs=args.structured_outputs)
 
 
 def run_jengine(args, requests) -> dict:
@@ -176,6 +178,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--logprobs", type=int, default=None, help="top logprobs per output token (0: the sampled one)")
     parser.add_argument("--flat-logprobs", action="store_true",
                         help="outputs carry logprobs as FlatLogprobs (few Python objects) instead of dicts")
+    parser.add_argument("--structured-outputs", type=json.loads, default=None, metavar="JSON",
+                        help="every request's constraint (vLLM's StructuredOutputsParams fields as JSON, e.g. "
+                             "'{\"regex\": \"[a-z ]+\"}'); needs a model dir with a tokenizer "
+                             "(benchmarks/bench_model_dir.py)")
     args = parser.parse_args(argv)
     try:
         sampling_params(args, 1)

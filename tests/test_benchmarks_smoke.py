@@ -436,3 +436,24 @@ def test_sampler_filter_times_every_select_and_checks_them_against_the_radix_one
     assert len(data["results"]) == 5 and all(row["same_as_radix"] for row in data["results"])
     with pytest.raises(SystemExit):
         _run("sampler_filter", ["--top-p", "1.5"], tmp_path)
+
+
+def test_bench_model_dir_trains_a_tokenizer_the_engine_loads(tmp_path):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import bench_model_dir
+
+    from jengine.tokenizer import load_tokenizer
+
+    files = bench_model_dir.corpus_files()[:8]
+    summary = bench_model_dir.make(str(tmp_path), "jengine/tiny-llama", 300, files)
+    tok = load_tokenizer(str(tmp_path))
+    assert summary["tokens"] == len(tok) == 300  # the trained one, not the preset's byte tokenizer
+    assert tok.decode(tok.encode("def f(x): return x")) == "def f(x): return x"
+    with pytest.raises(ValueError, match="exceeds the model's vocabulary"):
+        bench_model_dir.make(str(tmp_path), "jengine/tiny-llama", 10**6, files)
+    # a guided throughput run on it (a request whose regex may end finishes at an EOS, ignore_eos or not)
+    model = ["--model", str(tmp_path), "--load-format", "dummy", *ENGINE[2:]]
+    data = _run("throughput", [*model, "--num-prompts", "4", "--input-len", "8", "--output-len", "6",
+                               "--structured-outputs", '{"regex": "[a-z ]+"}'], tmp_path)
+    assert 4 <= data["results"][0]["output_tokens"] <= 24 and data["args"]["structured_outputs"] == {"regex": "[a-z ]+"}
