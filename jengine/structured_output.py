@@ -170,7 +170,12 @@ class GrammarCompiler:
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids=()):
         import llguidance.hf  # imports transformers: only once a request has structured outputs
 
-        eos = [int(t) for t in eos_token_ids] or None
+        # llguidance takes end ids among the tokenizer's own tokens only; a model's config may name ids past
+        # them (e.g. a tokenizer smaller than the embedding), which then end requests without the grammar
+        eos = [int(t) for t in eos_token_ids if 0 <= int(t) < len(hf_tokenizer)] or None
+        if eos is None and hf_tokenizer.eos_token_id is None:
+            raise ValueError("structured_outputs needs an end-of-sequence token in the tokenizer; this model's "
+                             f"EOS ids {list(eos_token_ids)} are outside its {len(hf_tokenizer)} tokens")
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, max(vocab_size, len(hf_tokenizer)), eos)
         self.vocab_size = vocab_size
         self.executor = llguidance.LLExecutor()

@@ -143,3 +143,53 @@ def test_stop_token_text_is_left_out_unless_include_stop_str_in_output():
     kept = IncrementalDetokenizer(tok, P(include_stop_str_in_output=True, **params))
     kept.update(tok.encode("ok") + [ByteTokenizer.EOS], stop_terminated=True)
     assert kept.output_text == "ok<eos>"
+
+
+class WindowOnly:
+    """A Rust tokenizer behind a plain `decode`, so the detokenizer takes its window path."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_rust_stream_gives_the_window_paths_text(bpe, skip):
+    import random
+
+    rng = random.Random(0)
+    eos, n = bpe.token_to_id("<eos>"), bpe.get_vocab_size()
+    streamed = 0
+    for trial in range(40):
+        prompt = [rng.randrange(n) for _ in range(rng.randrange(0, 8))]
+        ids = [eos if rng.random() < 0.05 else rng.randrange(n) for _ in range(30)]
+        fast = IncrementalDetokenizer(bpe, P(skip_special_tokens=skip), prompt)
+        slow = IncrementalDetokenizer(WindowOnly(bpe), P(skip_special_tokens=skip), prompt)
+        assert slow._stream is None  # noqa: SLF001 - which path runs
+        streamed += fast._stream is not None  # noqa: SLF001 - not for prompts that end inside a character
+        for i in ids:
+            fast.update([i])
+            slow.update([i])
+            assert fast.output_text == slow.output_text, (trial, prompt, ids)
+    assert streamed >= 20
+
+
+def test_rust_stream_keeps_the_leading_space_of_the_first_output_token():
+    tok = Tokenizer(models.WordLevel({"▁hello": 0, "▁world": 1, "!": 2, "<unk>": 3}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    detok = IncrementalDetokenizer(tok, prompt_ids=[0])
+    assert detok._stream is not None  # noqa: SLF001
+    assert stream(detok, [1, 2]) == [" world", "!"]
+    assert stream(IncrementalDetokenizer(tok), [1, 2]) == ["world", "!"]
+
+
+def test_rust_stream_emits_invalid_bytes_instead_of_stalling(bpe):
+    from jengine.tokenizer import _byte_to_unicode
+
+    bad = bpe.token_to_id(_byte_to_unicode()[0xFF])
+    detok = IncrementalDetokenizer(bpe)
+    deltas = stream(detok, [bad] * 6 + bpe.encode("ok").ids)
+    assert "".join(deltas).endswith("ok") and "\ufffd" in "".join(deltas)
