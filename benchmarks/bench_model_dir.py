@@ -1,6 +1,6 @@
 """A model directory for benchmarks that need a tokenizer: a preset's config.json (random weights through
 `--load-format dummy`) beside a byte-level BPE tokenizer trained here, with as many tokens as the
-model's vocabulary, on the Python standard library's sources (local, deterministic; no hub download).
+model's vocabulary, on the Python sources installed on the machine (local; no hub download).
 
 Structured outputs, stop strings and detokenization cost grow with the tokenizer's size, so their
 benchmarks need a tokenizer of the real vocabulary's size, not the presets' none.
@@ -26,9 +26,19 @@ from jengine.presets import resolve_model
 SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")
 
 
-def corpus_files() -> list[str]:
-    """The standard library's .py files, sorted (the same corpus on every machine with this Python)."""
-    return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
+def corpus_files(max_bytes: int = 100 << 20) -> list[str]:
+    """The standard library's .py files, then the installed packages', sorted, up to `max_bytes` (a slim
+    Python's standard library alone is too small for a 128k vocabulary)."""
+    paths = sysconfig.get_paths()
+    files, total = [], 0
+    for root in dict.fromkeys((paths["stdlib"], paths["purelib"])):
+        for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+            if total >= max_bytes:
+                return files
+            if root == paths["stdlib"] or not path.startswith(paths["stdlib"]):
+                files.append(path)
+                total += os.path.getsize(path)
+    return files
 
 
 def train(vocab_size: int, files: list[str]):
