@@ -41,6 +41,13 @@ def corpus_files(max_bytes: int = 100 << 20) -> list[str]:
     return files
 
 
+def _texts(files: list[str]):
+    """Each file's text (a file that is not UTF-8 gives its decodable parts)."""
+    for path in files:
+        with open(path, encoding="utf-8", errors="ignore") as f:
+            yield f.read()
+
+
 def train(vocab_size: int, files: list[str]):
     """A byte-level BPE of `vocab_size` tokens (specials last) as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -51,7 +58,7 @@ def train(vocab_size: int, files: list[str]):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIALS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train(files, trainer)
+    tok.train_from_iterator(_texts(files), trainer)
     tok.add_special_tokens(list(SPECIALS))
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIALS[0], eos_token=SPECIALS[1],
                                    additional_special_tokens=list(SPECIALS[2:]))
