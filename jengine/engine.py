@@ -286,15 +286,25 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         launched = None
         if sched.scheduled:
-            if inflight is not None and self._needs_history(sched):
-                outputs += self._resolve(*inflight)  # penalties need every previous token on the host
-                inflight = None
+            late = inflight is not None and self._needs_history(sched)
             t1 = clock()
-            inp, prompt_tokens = self._step_input(sched, inflight[0] if inflight else None)
+            inp, prompt_tokens = self._step_input(sched, inflight[0] if inflight else None, sampling=not late)
             t2 = clock()
-            launched = (sched, self.runner.execute(inp))
-            self.timings["prepare"] += t2 - t1
-            self.timings["launch"] += clock() - t2
+            if late:  # the forward runs while the previous step's tokens come back for the sampling tables
+                forward = self.runner.launch_forward(inp)
+                t3 = clock()
+                outputs += self._resolve(*inflight)
+                inflight = None
+                t4 = clock()
+                inp = dataclasses.replace(inp, sampling=self._sampling_tensors(sched, inp.logits_indices.shape[0]))
+                t5 = clock()
+                launched = (sched, self.runner.launch_sample(forward, inp.sampling))
+                self.timings["prepare"] += (t2 - t1) + (t5 - t4)
+                self.timings["launch"] += (t3 - t2) + (clock() - t5)
+            else:
+                launched = (sched, self.runner.execute(inp))
+                self.timings["prepare"] += t2 - t1
+                self.timings["launch"] += clock() - t2
             self.stats["steps"] += 1
             self.stats["preemptions"] += len(sched.preempted)
             self.stats["computed_prompt_tokens"] += prompt_tokens
@@ -388,29 +398,36 @@ class LLMEngine:
         if sched.blocks_to_copy:
             self.runner.copy_pages(sched.blocks_to_copy)
 
-    def _step_input(self, sched: SchedulerOutput, previous: SchedulerOutput | None):
+    def _step_input(self, sched: SchedulerOutput, previous: SchedulerOutput | None, sampling: bool = True):
         """The step's device input, and how many of the step's tokens are prompt tokens (computed, not
-        found in the prefix cache)."""
+        found in the prefix cache). Without `sampling` the input has no sampling tensors yet (they are
+        built once the previous step's tokens are back: `_sampling_tensors`)."""
         ecfg = self.config
         num_tokens = pick_bucket(sched.num_scheduled_tokens, ecfg.token_buckets)
         num_seqs = seq_bucket(len(sched.scheduled), num_tokens, ecfg.seq_buckets)
         prev_rows = {e.request.request_id: i for i, e in enumerate(previous.scheduled)} if previous else {}
-        rows, sampling_rows, prompt_tokens = [], [], 0
+        rows, prompt_tokens = [], 0
         for entry in sched.scheduled:
             request = entry.request
             if entry.start_position < request.num_prompt_tokens:
                 prompt_tokens += entry.num_new_tokens
             rows.append((entry.token_ids, entry.start_position, entry.block_table,
                          prev_rows.get(request.request_id, -1), self._prompt_targets(entry)))
-            child = self._children.get(request.request_id)
-            sampling_rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids,
-                                             request.output_token_ids, child.rng_counter if child else 0,
-                                             child.bad_words if child else ()))
-        sampling = build_sampling_tensors(sampling_rows, num_seqs, self.model_config.vocab_size,
-                                          engine_seed=ecfg.seed, eos_token_ids=self.model_config.eos_token_ids,
-                                          token_bitmask=self._token_bitmask(sched, num_seqs))
-        inp = build_step_input(rows, num_tokens, num_seqs, ecfg.pages_per_seq, ecfg.block_size, sampling)
+        tensors = self._sampling_tensors(sched, num_seqs) if sampling else None
+        inp = build_step_input(rows, num_tokens, num_seqs, ecfg.pages_per_seq, ecfg.block_size, tensors)
         return inp, prompt_tokens
+
+    def _sampling_tensors(self, sched: SchedulerOutput, num_seqs: int):
+        """The step's sampling tensors, from each row's options and its tokens so far."""
+        rows = []
+        for entry in sched.scheduled:
+            request = entry.request
+            child = self._children.get(request.request_id)
+            rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids, request.output_token_ids,
+                                    child.rng_counter if child else 0, child.bad_words if child else ()))
+        return build_sampling_tensors(rows, num_seqs, self.model_config.vocab_size, engine_seed=self.config.seed,
+                                      eos_token_ids=self.model_config.eos_token_ids,
+                                      token_bitmask=self._token_bitmask(sched, num_seqs))
 
     def _token_bitmask(self, sched: SchedulerOutput, num_seqs: int):
         """The step's allowed tokens `[num_seqs, ceil(V / 32)]` where a row that samples is guided, else None

@@ -251,8 +251,12 @@ class ModelRunner:
         on the device until read. Placeholder tokens are taken from the ids the previous `execute`
         sampled. The sampling program's variant is what the batch's sampling tensors need
         (`sampler_switches`); `prompt_logprobs` defaults to whether the input asks for them."""
-        sampling = inp.sampling
-        switches = sampler_switches(sampling, self.cfg.vocab_size)
+        return self.launch_sample(self.launch_forward(inp, prompt_logprobs=prompt_logprobs), inp.sampling)
+
+    def launch_forward(self, inp: StepInput, *, prompt_logprobs: bool | None = None) -> tuple:
+        """`execute`'s first half: the forward (`inp.sampling` is not read). Returns what `launch_sample`
+        takes, so that the host can build the sampling tensors while the forward runs (the engine does
+        when they need the previous step's tokens)."""
         if prompt_logprobs is None:
             prompt_logprobs = bool(np.any(inp.prompt_targets >= 0))
         bucket = (inp.model.token_ids.shape[0], inp.logits_indices.shape[0])
@@ -265,12 +269,17 @@ class ModelRunner:
         self.kv_caches, logits, hidden = forward(self.params, self.kv_caches, ints, floats, self.prev_ids,
                                                  *self.output_buffers(bucket))
         self.logits_buffers[bucket[1]], self.hidden_buffers[bucket[0]] = logits, hidden
+        return logits, hidden, inp.prompt_targets if prompt_logprobs else None
+
+    def launch_sample(self, forward: tuple, sampling):
+        """`execute`'s second half: the sampling program (and prompt logprobs) over a launched forward."""
+        logits, hidden, prompt_targets = forward
+        switches = sampler_switches(sampling, self.cfg.vocab_size)
         s_ints, s_floats, s_layout = pack(program_inputs(sampling, switches))
         self.prev_ids, out = self.program("sample", s_layout, *switches)(logits, s_ints, s_floats, self.prev_ids)
         plp = None
-        if prompt_logprobs:
-            plp = self.program("prompt_logprobs", inp.prompt_targets.shape[0])(self.params, hidden,
-                                                                               inp.prompt_targets)
+        if prompt_targets is not None:
+            plp = self.program("prompt_logprobs", prompt_targets.shape[0])(self.params, hidden, prompt_targets)
         return out, plp
 
     def output_buffers(self, bucket: tuple[int, int]) -> tuple[jax.Array, jax.Array]:

@@ -456,3 +456,33 @@ def test_start_up_freezes_the_heap_so_full_collections_do_not_stall_steps():
     assert gc.get_freeze_count() > 10_000  # JAX, the programs, the engine: out of the collector's reach
     assert _greedy_tokens(llm, [HF_CASES[0][0]])[0] == HF_CASES[0][1][:16]
     _assert_no_leak(llm)
+
+
+def test_a_step_that_needs_the_last_tokens_launches_its_forward_before_reading_them(llm):
+    """Penalties (also multi-token bad words, structured outputs) need each row's previous token on the host
+    for the sampling tables: the next forward is launched first, so it runs while those tokens come back."""
+    engine, calls = llm.engine, []
+    forward, resolve = engine.runner.launch_forward, engine._resolve
+
+    def spy_forward(*a, **k):
+        calls.append("forward")
+        return forward(*a, **k)
+
+    def spy_resolve(*a, **k):
+        calls.append("resolve")
+        return resolve(*a, **k)
+
+    engine.runner.launch_forward, engine._resolve = spy_forward, spy_resolve
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3)
+        plain = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+        calls.clear()
+        out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        engine.runner.launch_forward, engine._resolve = forward, resolve
+    assert len(out) == 6 and len(set(out)) >= len(set(plain))  # the penalty applied (no more repeats)
+    # every step after the first: its forward, then the previous step's tokens
+    assert calls[:2] == ["forward", "forward"] and calls.count("forward") == 6
+    assert all(calls[i:i + 2] == ["forward", "resolve"] for i in range(1, 2 * 5, 2))
+    _assert_no_leak(llm)
