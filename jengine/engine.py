@@ -12,7 +12,6 @@ import gc
 import logging
 import os
 import time
-from typing import Any
 
 import jax
 
@@ -35,7 +34,7 @@ from jengine.sampling_params import RequestOutputKind, SamplingParams
 from jengine.scheduler import Scheduler, SchedulerOutput
 from jengine.sharding import log_memory, make_mesh, sharded_model_config
 from jengine.step_input import build_step_input
-from jengine.structured_output import GrammarCompiler, consume
+from jengine.structured_output import GuidedRequests
 from jengine.tokenizer import load_tokenizer
 from jengine.warmup import ProgramBuilder
 
@@ -54,7 +53,6 @@ class _Child:
     bad_words: tuple  # the request's bad words as token sequences (`jengine.bad_words`)
     cumulative_logprob: float = 0.0
     logprob_dicts: list | None = None  # dicts of `logprobs` made so far (CUMULATIVE outputs without flat_logprobs)
-    matcher: Any = None  # structured outputs: the llguidance matcher of this sequence's grammar
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # output tokens already returned (DELTA outputs)
 
@@ -168,8 +166,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._children: dict[str, _Child] = {}  # by the child's (scheduler) request id
         self._rng_counter = 0
-        self._grammars: GrammarCompiler | None = None  # made at the first request with structured outputs
-        self._guided: set[str] = set()  # (scheduler) request ids of the unfinished children with a matcher
+        self._guided = GuidedRequests(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self._inflight = None  # (SchedulerOutput, (SamplerOutput, prompt logprobs)) of the step on the device
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of step()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_prompt_tokens": 0, "steps": 0,
@@ -197,7 +194,7 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         bad_words = self._check_token_params(params)
-        matchers = self._matchers(params)  # raises for a bad grammar before anything is kept
+        matchers = self._guided.new_matchers(params)  # raises for a bad grammar before anything is kept
         text, ids = self.tokenize_prompt(prompt)
         ids = truncated(ids, params.truncate_prompt_tokens, self.config.max_model_len)
         if params.stop and self.tokenizer is None:
@@ -214,10 +211,11 @@ class LLMEngine:
             keep_dicts = params.output_kind is RequestOutputKind.CUMULATIVE and not params.flat_logprobs
             children.append(_Child(request, request_id, detok, self._rng_counter,
                                    FlatLogprobs() if params.logprobs is not None else None, bad_words,
-                                   logprob_dicts=[] if keep_dicts else None, matcher=matchers[i]))
+                                   logprob_dicts=[] if keep_dicts else None))
             self._rng_counter += 1
         self._children.update((c.request.request_id, c) for c in children)
-        self._guided.update(c.request.request_id for c in children if c.matcher is not None)
+        for child, matcher in zip(children, matchers):
+            self._guided.add(child.request.request_id, matcher)
         group = _Group(request_id, text, ids, params, children)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = FlatLogprobs([None])
@@ -238,20 +236,6 @@ class LLMEngine:
         bad_words = bad_words_token_ids(params.bad_words, self.tokenizer, vocab)
         check_bias_table(params, self.model_config.eos_token_ids, last_tokens(bad_words))
         return bad_words
-
-    def _matchers(self, params: SamplingParams) -> list:
-        """One matcher per child for a request with structured outputs (its grammar checked against the
-        tokenizer: a ValueError names what is wrong), else Nones."""
-        so = params.structured_outputs
-        if so is None:
-            return [None] * params.n
-        if self.tokenizer is None:
-            raise ValueError("structured_outputs needs a tokenizer; this model has none")
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                             self.model_config.eos_token_ids)
-        grammar = self._grammars.grammar(so)
-        return [self._grammars.matcher(grammar) for _ in range(params.n)]
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.pop(request_id, None)
@@ -427,16 +411,7 @@ class LLMEngine:
                                     child.rng_counter if child else 0, child.bad_words if child else ()))
         return build_sampling_tensors(rows, num_seqs, self.model_config.vocab_size, engine_seed=self.config.seed,
                                       eos_token_ids=self.model_config.eos_token_ids,
-                                      token_bitmask=self._token_bitmask(sched, num_seqs))
-
-    def _token_bitmask(self, sched: SchedulerOutput, num_seqs: int):
-        """The step's allowed tokens `[num_seqs, ceil(V / 32)]` where a row that samples is guided, else None
-        (the unguided program). Every guided row's previous token is known here (`_needs_history`)."""
-        if not self._guided:
-            return None
-        rows = [(i, self._children[entry.request_id].matcher) for i, entry in enumerate(sched.scheduled)
-                if entry.request_id in self._guided and entry.produces_token and not entry.request.is_finished]
-        return self._grammars.fill_bitmask(rows, num_seqs) if rows else None
+                                      token_bitmask=self._guided.bitmask(sched.scheduled, num_seqs))
 
     def _prompt_targets(self, entry) -> list[int] | None:
         """Next prompt token after each of the entry's tokens, for a request that wants prompt logprobs."""
@@ -484,10 +459,7 @@ class LLMEngine:
             if stop_str is not None and not finished:
                 self.scheduler.finish_request(request.request_id, "stop")
                 child.stop_reason = stop_str
-        if child.matcher is not None and not request.is_finished and consume(child.matcher, token):
-            if child.matcher.is_error():  # a token the mask allowed always advances the grammar
-                logger.warning("request %s: structured output ended early: %s", request.request_id,
-                               " ".join(child.matcher.get_error().split())[:500])
+        if not request.is_finished and self._guided.advance(request.request_id, token):
             self.scheduler.finish_request(request.request_id, "stop")  # the grammar is complete
 
     def _make_output(self, group_id: str) -> RequestOutput:

@@ -17,11 +17,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 from typing import Any
 
 import llguidance
 import llguidance.numpy
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 # The constraint fields of StructuredOutputsParams: exactly one is set.
 CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
@@ -226,3 +229,56 @@ def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
     """The token ids a bitmask row allows (tests and debugging)."""
     bits = np.unpackbits(np.ascontiguousarray(bitmask_row, np.int32).view(np.uint8), bitorder="little")
     return np.flatnonzero(bits[:vocab_size])
+
+
+class GuidedRequests:
+    """An engine's structured-output state: the grammar compiler, made at the first guided request, and the
+    matcher of every unfinished guided sequence by its (scheduler) request id."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=()):
+        self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
+        self._compiler: GrammarCompiler | None = None
+        self.matchers: dict[str, llguidance.LLMatcher] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.matchers)
+
+    def new_matchers(self, params) -> list:
+        """One fresh matcher per sequence of a request (`params.n`) with structured outputs, else Nones. Its
+        grammar is checked against the tokenizer here: a ValueError names what is wrong."""
+        so = params.structured_outputs
+        if so is None:
+            return [None] * params.n
+        if self._tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this model has none")
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._eos)
+        grammar = self._compiler.grammar(so)
+        return [self._compiler.matcher(grammar) for _ in range(params.n)]
+
+    def add(self, request_id: str, matcher) -> None:
+        if matcher is not None:
+            self.matchers[request_id] = matcher
+
+    def discard(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    def advance(self, request_id: str, token: int) -> bool:
+        """Feed a sequence's sampled token to its matcher; True when the sequence must end (its grammar is
+        complete, or broken: that is logged)."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None or not consume(matcher, token):
+            return False
+        if matcher.is_error():  # a token the mask allowed always advances the grammar
+            logger.warning("request %s: structured output ended early: %s", request_id,
+                           _one_line(matcher.get_error())[:500])
+        return True
+
+    def bitmask(self, entries, num_rows: int) -> np.ndarray | None:
+        """The allowed next tokens `[num_rows, ceil(V / 32)]` of a step's scheduled `entries` (row i is entry
+        i) where a row that samples is guided, else None (the unguided sampling program)."""
+        if not self.matchers:
+            return None
+        rows = [(i, m) for i, e in enumerate(entries) if (m := self.matchers.get(e.request_id)) is not None
+                and e.produces_token and not e.request.is_finished]
+        return self._compiler.fill_bitmask(rows, num_rows) if rows else None
