@@ -47,7 +47,7 @@ def sampling_params(args, max_tokens: int):
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs,
                           flat_logprobs=args.flat_logprobs, max_tokens=max_tokens, ignore_eos=True,
-                          structured_outputs=args.structured_outputs)
+                          repetition_penalty=args.repetition_penalty, structured_outputs=args.structured_outputs)
 
 
 def run_jengine(args, requests) -> dict:
@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--logprobs", type=int, default=None, help="top logprobs per output token (0: the sampled one)")
     parser.add_argument("--flat-logprobs", action="store_true",
                         help="outputs carry logprobs as FlatLogprobs (few Python objects) instead of dicts")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="every request's repetition_penalty (1: off); penalties need each row's previous token")
     parser.add_argument("--structured-outputs", type=json.loads, default=None, metavar="JSON",
                         help="every request's constraint (vLLM's StructuredOutputsParams fields as JSON, e.g. "
                              "'{\"regex\": \"[a-z ]+\"}'); needs a model dir with a tokenizer "
