@@ -26,10 +26,11 @@ from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
 from jengine.logprobs import FlatLogprobs, append_positions, for_output
 from jengine.outputs import CompletionOutput, RequestOutput
+from jengine.penalty_window import PenaltyWindow
 from jengine.prompts import tokenize_prompt, truncated
 from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, to_host
-from jengine.sampler import SamplingRow, build_sampling_tensors, check_bias_table
+from jengine.sampler import DEFAULT_PENALTY_WINDOW, SamplingRow, build_sampling_tensors, check_bias_table
 from jengine.sampling_params import RequestOutputKind, SamplingParams
 from jengine.scheduler import Scheduler, SchedulerOutput
 from jengine.sharding import log_memory, make_mesh, sharded_model_config
@@ -51,6 +52,7 @@ class _Child:
     rng_counter: int
     logprobs: FlatLogprobs | None
     bad_words: tuple  # the request's bad words as token sequences (`jengine.bad_words`)
+    penalties: PenaltyWindow | None  # with penalties: the sequence's penalty window, kept across steps
     cumulative_logprob: float = 0.0
     logprob_dicts: list | None = None  # dicts of `logprobs` made so far (CUMULATIVE outputs without flat_logprobs)
     stop_reason: int | str | None = None
@@ -211,6 +213,8 @@ class LLMEngine:
             keep_dicts = params.output_kind is RequestOutputKind.CUMULATIVE and not params.flat_logprobs
             children.append(_Child(request, request_id, detok, self._rng_counter,
                                    FlatLogprobs() if params.logprobs is not None else None, bad_words,
+                                   PenaltyWindow(ids, self.model_config.vocab_size, DEFAULT_PENALTY_WINDOW)
+                                   if params.uses_penalties else None,
                                    logprob_dicts=[] if keep_dicts else None))
             self._rng_counter += 1
         self._children.update((c.request.request_id, c) for c in children)
@@ -408,7 +412,8 @@ class LLMEngine:
             request = entry.request
             child = self._children.get(request.request_id)
             rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids, request.output_token_ids,
-                                    child.rng_counter if child else 0, child.bad_words if child else ()))
+                                    child.rng_counter if child else 0, child.bad_words if child else (),
+                                    child.penalties if child else None))
         return build_sampling_tensors(rows, num_seqs, self.model_config.vocab_size, engine_seed=self.config.seed,
                                       eos_token_ids=self.model_config.eos_token_ids,
                                       token_bitmask=self._guided.bitmask(sched.scheduled, num_seqs))

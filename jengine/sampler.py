@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.bad_words import banned_tokens
+from jengine.penalty_window import PenaltyWindow, count_penalty_window
 from jengine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, SamplingParams
 from jengine.selection import kth_largest_key, largest_key, ordered_keys, top_n
 
@@ -92,6 +93,7 @@ class SamplingRow(NamedTuple):
     output_ids: Sequence[int]
     rng_counter: int = 0  # unique per request (e.g. arrival ordinal); used only when seed is None
     bad_words: Sequence[Sequence[int]] = ()  # token sequences of the request's bad words (`jengine.bad_words`)
+    penalties: PenaltyWindow | None = None  # the request's window kept across steps; None: counted here
 
 
 class SamplerOutput(NamedTuple):
@@ -167,7 +169,7 @@ def build_sampling_tensors(
         seeded = [r.params.seed is not None for r in rows]
         key_words[:n] = [_seed_words(r.params.seed) if s else engine_words for r, s in zip(rows, seeded)]
         stream[:n] = [0 if s else (r.rng_counter + 1) & _U32 for r, s in zip(rows, seeded)]
-    for i, (p, prompt_ids, output_ids, _, bad_words) in enumerate(rows):
+    for i, (p, prompt_ids, output_ids, _, bad_words, window) in enumerate(rows):
         if not p.is_greedy:
             greedy[i] = False
             temperature[i] = p.temperature
@@ -176,7 +178,8 @@ def build_sampling_tensors(
         if p.uses_penalties:
             presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
             repetition[i] = p.repetition_penalty
-            ids, counts = _penalty_window(prompt_ids, output_ids, V, W)
+            ids, counts = (window.rows(prompt_ids, output_ids, V, W) if window is not None
+                           else count_penalty_window(prompt_ids, output_ids, V, W))
             penalty_ids[i, : len(ids)], penalty_counts[i, : len(ids)] = ids, counts
         banned = banned_tokens(bad_words, output_ids) if bad_words else ()
         suppress = num_out[i] < p.min_tokens
@@ -315,19 +318,6 @@ def program_inputs(t: SamplingTensors, switches: SamplerSwitches) -> SamplingTen
         return t
     rows = np.asarray(t.temperature).shape[0]
     return dataclasses.replace(t, **{f: np.zeros((rows, 0), np.asarray(getattr(t, f)).dtype) for f in _ADJUST_TABLES})
-
-
-def _penalty_window(prompt_ids, output_ids, V: int, W: int) -> tuple[np.ndarray, np.ndarray]:
-    """Unique ids of prompt+output (output first, by count) with their output counts, at most W."""
-    out = np.asarray(output_ids, np.int64)
-    out_ids, out_counts = np.unique(out[(out >= 0) & (out < V)], return_counts=True)
-    order = np.argsort(-out_counts, kind="stable")
-    out_ids, out_counts = out_ids[order], out_counts[order]
-    prompt = np.asarray(prompt_ids, np.int64)
-    prompt_only = np.setdiff1d(prompt[(prompt >= 0) & (prompt < V)], out_ids)
-    ids = np.concatenate([out_ids, prompt_only])[:W]
-    counts = np.concatenate([out_counts, np.zeros(len(prompt_only), np.int64)])[:W]
-    return ids, counts
 
 
 # -------------------------------------------------------------------------------------------- device

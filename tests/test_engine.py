@@ -486,3 +486,16 @@ def test_a_step_that_needs_the_last_tokens_launches_its_forward_before_reading_t
     assert calls[:2] == ["forward", "forward"] and calls.count("forward") == 6
     assert all(calls[i:i + 2] == ["forward", "resolve"] for i in range(1, 2 * 5, 2))
     _assert_no_leak(llm)
+
+
+def test_penalties_from_kept_windows_equal_penalties_counted_every_step(llm, monkeypatch):
+    from jengine.penalty_window import PenaltyWindow, count_penalty_window
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+                            presence_penalty=0.4, frequency_penalty=0.3)
+    prompts = [[5, 6, 7, 5], [9, 9, 9], [1, 2, 3, 4, 5, 6, 7, 8]]
+    kept = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(PenaltyWindow, "rows", lambda self, p, o, V, W: count_penalty_window(p, o, V, W))
+    counted = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert kept == counted and all(len(k) == 24 for k in kept)
+    _assert_no_leak(llm)

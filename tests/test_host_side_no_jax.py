@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 HOST_MODULES = ["request", "block_manager", "scheduler", "buckets", "sampling_params", "generation_config", "prompts",
-                "bad_words", "structured_output"]
+                "bad_words", "structured_output", "penalty_window"]
 
 _PROBE = """
 import importlib, sys, types
