@@ -517,12 +517,15 @@ def sample(
     an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-20 over [S, V]: 0.11 ms at S=256 on an
     H200, 0.05 at S=8, and no rank; the top ids are then -1, their logprobs -inf
-    and the ranks 0), `guided=False` when no row has a token bitmask (structured outputs)."""
+    and the ranks 0), `guided=False` when no row has a token bitmask (structured outputs; with one, raw logprobs
+    are those of the masked logits, as in vLLM, where the grammar masks the logits before the sampler)."""
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
     assert logits.shape[0] == t.temperature.shape[0], (logits.shape, t.temperature.shape)
+    if guided:  # before everything, raw logprobs included: vLLM masks the model's logits before its sampler
+        logits = _apply_token_bitmask(logits, t.token_bitmask)
     processed = process_logits(logits, t, filter_k=filter_k, filter_p=filter_p, k_bound=k_bound, small_p=small_p,
-                               adjust=random, guided=guided,
+                               adjust=random,
                                temper=random or logprobs_mode == "processed_logprobs")  # [S, V]
     next_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [S]
     if random:

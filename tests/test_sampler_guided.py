@@ -1,5 +1,5 @@
 """The sampler's token bitmask (structured outputs): masked logits equal a numpy reference, greedy and
-random draws land on allowed tokens only, logprobs stay raw, and guided batches take a program that
+random draws land on allowed tokens only, raw logprobs are the masked logits', and guided batches take a program that
 warm-up builds."""
 
 import dataclasses
@@ -88,8 +88,8 @@ def test_greedy_and_random_draws_land_on_allowed_tokens_only(filters):
         # greedy rows: the largest allowed logit
         for r in range(2):
             assert ids[r] == np.argmax(np.where(allowed[r], logits[r], -np.inf))
-        # raw logprobs (the default) are the model's, unmasked, as for logit_bias
-        lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+        # raw logprobs (the default) are those of the masked logits, as in vLLM (unlike logit_bias's)
+        lp = np.asarray(jax.nn.log_softmax(np.where(allowed, logits, -np.inf), axis=-1))
         np.testing.assert_allclose(np.asarray(out.sampled_logprobs), lp[np.arange(S), ids], rtol=1e-5, atol=1e-5)
     assert len({i for r, i in seen if r >= 2}) > S - 2  # random rows do draw different allowed tokens
 
