@@ -30,7 +30,13 @@ from jengine.penalty_window import PenaltyWindow
 from jengine.prompts import tokenize_prompt, truncated
 from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, to_host
-from jengine.sampler import DEFAULT_PENALTY_WINDOW, SamplingRow, build_sampling_tensors, check_bias_table
+from jengine.sampler import (
+    DEFAULT_PENALTY_WINDOW,
+    SamplingRow,
+    build_sampling_tensors,
+    check_bias_table,
+    check_token_ids,
+)
 from jengine.sampling_params import RequestOutputKind, SamplingParams
 from jengine.scheduler import Scheduler, SchedulerOutput
 from jengine.sharding import log_memory, make_mesh, sharded_model_config
@@ -232,11 +238,7 @@ class LLMEngine:
         """Token ids in the params must exist in this model's vocabulary (the sampler would fail mid-step),
         and fit the sampler's bias table. Returns the bad words' token sequences."""
         vocab = self.model_config.vocab_size
-        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
-                           ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if not 0 <= int(t) < vocab]
-            if bad:
-                raise ValueError(f"{field} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        check_token_ids(params, vocab)
         bad_words = bad_words_token_ids(params.bad_words, self.tokenizer, vocab)
         check_bias_table(params, self.model_config.eos_token_ids, last_tokens(bad_words))
         return bad_words

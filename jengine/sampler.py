@@ -215,6 +215,16 @@ def build_sampling_tensors(
     )
 
 
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """A ValueError naming the field when the params name a token id outside the vocabulary (inside a step
+    the sampler's tables would fail, stopping the engine)."""
+    for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                       ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{field} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
 def check_bias_table(params: SamplingParams, eos_token_ids: Sequence[int] = (),
                      banned_token_ids: frozenset[int] = frozenset(), cap: int = DEFAULT_MAX_BIAS_ENTRIES) -> None:
     """A ValueError naming the fields when a request could need more entries of a row's bias table than it

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jengine.sampler import check_bias_table
+from jengine.sampler import check_bias_table, check_token_ids
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from jengine.structured_output import StructuredOutputsParams, grammar_text
 
@@ -359,11 +359,7 @@ def check_fits_engine(params: SamplingParams, vocab_size: int, eos_token_ids, ma
     """Limits the sampler enforces only inside a step (where an error would stop the engine)."""
     if params.n > max_num_seqs:
         raise ValueError(f"n must be <= {max_num_seqs} (max_num_seqs), got {params.n}")
-    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
-                      ("allowed_token_ids", params.allowed_token_ids or ())):
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    check_token_ids(params, vocab_size)
     check_bias_table(params, eos_token_ids)  # bad words, which need the tokenizer, are checked by the engine
 
 
