@@ -175,6 +175,9 @@ class LLMEngine:
         self._children: dict[str, _Child] = {}  # by the child's (scheduler) request id
         self._rng_counter = 0
         self._guided = GuidedRequests(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        # (scheduler) ids of the unfinished children whose sampling tables need their previous token on the host
+        # (`_needs_history`); empty, the usual case, costs a step nothing
+        self._history: set[str] = set()
         self._inflight = None  # (SchedulerOutput, (SamplerOutput, prompt logprobs)) of the step on the device
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of step()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_prompt_tokens": 0, "steps": 0,
@@ -226,6 +229,8 @@ class LLMEngine:
         self._children.update((c.request.request_id, c) for c in children)
         for child, matcher in zip(children, matchers):
             self._guided.add(child.request.request_id, matcher)
+        if params.uses_penalties or params.structured_outputs or needs_history(bad_words):
+            self._history.update(c.request.request_id for c in children)
         group = _Group(request_id, text, ids, params, children)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = FlatLogprobs([None])
@@ -251,6 +256,7 @@ class LLMEngine:
             self.scheduler.abort(child.request.request_id)
             self._children.pop(child.request.request_id, None)
             self._guided.discard(child.request.request_id)
+            self._history.discard(child.request.request_id)
 
     def num_unfinished_requests(self) -> int:
         return len(self._groups)
@@ -316,15 +322,9 @@ class LLMEngine:
         """Whether a row's sampling reads its last output while that is still on the device: penalties (the
         token counts), bad words of more than one token, structured outputs (the matcher's next allowed
         tokens)."""
-        for e in sched.scheduled:
-            if PLACEHOLDER in e.request.output_token_ids[-1:]:
-                params = e.request.sampling_params
-                if params.uses_penalties or params.structured_outputs:
-                    return True
-                child = self._children.get(e.request.request_id)
-                if child is not None and needs_history(child.bad_words):
-                    return True
-        return False
+        history = self._history
+        return bool(history) and any(e.request_id in history and PLACEHOLDER in e.request.output_token_ids[-1:]
+                                     for e in sched.scheduled)
 
     def _resolve(self, sched: SchedulerOutput, pending) -> list[RequestOutput]:
         """Read a launched step's results, apply them to the requests, and build their outputs."""
@@ -498,6 +498,7 @@ class LLMEngine:
             for child in group.children:
                 self._children.pop(child.request.request_id, None)
                 self._guided.discard(child.request.request_id)
+                self._history.discard(child.request.request_id)
         return out
 
 

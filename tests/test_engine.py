@@ -485,6 +485,11 @@ def test_a_step_that_needs_the_last_tokens_launches_its_forward_before_reading_t
     # every step after the first: its forward, then the previous step's tokens
     assert calls[:2] == ["forward", "forward"] and calls.count("forward") == 6
     assert all(calls[i:i + 2] == ["forward", "resolve"] for i in range(1, 2 * 5, 2))
+    assert not engine._history  # finished requests leave the set of rows that need their last token
+    engine.add_request("aborted", [5, 6], params)
+    assert engine._history == {"aborted"}
+    engine.abort_request("aborted")
+    assert not engine._history
     _assert_no_leak(llm)
 
 
