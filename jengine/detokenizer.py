@@ -2,9 +2,9 @@
 
 With a fast (Rust) tokenizer, a Hugging Face `PreTrainedTokenizerFast` or a raw `tokenizers.Tokenizer`,
 text comes from the tokenizers library's `DecodeStream`, one Rust call per token, primed with the prompt's
-last tokens (as vLLM's fast detokenizer does): at 256 sequences a step that is ~0.5 ms of host time against
-~2.3 ms for the window below (RESULTS.md, session 35), which would otherwise leave a batch-256 decode
-step waiting on the host. Any other tokenizer (or a stream that fails) uses a short sliding window, as
+last tokens (as vLLM's fast detokenizer does): with 256 sequences an H200 host's update phase took 1.2-1.4
+ms a step against 2.33 ms with the window below (RESULTS.md, session 35), which can leave a batch-256
+decode step waiting on the host. Any other tokenizer (or a stream that fails) uses a short sliding window, as
 vLLM's `detokenize_incrementally` does, with only `tokenizer.decode(ids, skip_special_tokens=...)`.
 
 Why a window with two offsets rather than decoding each new token alone: many tokenizers decode a
