@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_server_harness import API_KEY, MODEL, Server
+from test_server_harness import API_KEY, CHAT, MODEL, Server, tokenize_chat
 
 from jengine import LLM, SamplingParams
 
@@ -205,7 +205,7 @@ def test_prompt_logprobs_of_a_chat_sit_at_the_top_of_the_response_and_equal_the_
     messages = [{"role": "user", "content": "Hi there"}]
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
                                          extra_body={"prompt_logprobs": 0})
-    ids = _tokenize_chat(server, messages=messages)
+    ids = tokenize_chat(server, messages=messages)
     assert len(out.prompt_logprobs) == out.usage.prompt_tokens == len(ids) and out.prompt_logprobs[0] is None
     assert all(list(pos) == [str(t)] for t, pos in zip(ids[1:], out.prompt_logprobs[1:]))  # k=0: the token alone
     (want,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
@@ -220,7 +220,7 @@ def test_prompt_logprobs_of_a_chat_sit_at_the_top_of_the_response_and_equal_the_
 
 def test_max_tokens_left_unset_fills_the_room_the_prompt_leaves_in_max_model_len(server, client):
     content = "x" * 230
-    prompt = len(_tokenize_chat(server, messages=[{"role": "user", "content": content}]))
+    prompt = len(tokenize_chat(server, messages=[{"role": "user", "content": content}]))
     assert 230 < prompt < 250
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                          temperature=0, extra_body={"ignore_eos": True})
@@ -241,7 +241,7 @@ def test_return_token_ids_puts_the_prompts_and_each_choices_ids_beside_the_text(
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
     chat = dict(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, extra_body=extra)
     reply = client.chat.completions.create(**chat)
-    assert reply.prompt_token_ids == _tokenize_chat(server) and len(reply.choices[0].token_ids) == 4
+    assert reply.prompt_token_ids == tokenize_chat(server) and len(reply.choices[0].token_ids) == 4
     streamed = list(client.chat.completions.create(stream=True, **chat))
     assert streamed[0].prompt_token_ids == reply.prompt_token_ids
     assert [t for c in streamed[1:] for t in c.choices[0].token_ids] == reply.choices[0].token_ids
@@ -520,121 +520,6 @@ def test_a_malformed_schema_is_a_bad_request_through_the_client(client):
     err = e.value.body.get("error", e.value.body)  # the client keeps the body's "error" object
     assert err["param"] == "response_format" and "properties must be an object" in err["message"]
     assert err["type"] == "BadRequestError"
-
-
-CHAT = [{"role": "user", "content": "hi"}]
-FILE_TEMPLATE = ("{% if shout %}LOUD {% endif %}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
-                 "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
-
-
-def _tokenize_chat(srv, **body) -> list[int]:
-    r = httpx.post(f"{srv.url}/tokenize", json={"messages": CHAT} | body, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["tokens"]
-
-
-def test_continue_final_message_renders_the_last_message_open(server, client):
-    from jengine.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(MODEL)
-    conv = [*CHAT, {"role": "assistant", "content": "Sure, the"}]
-    want = tok.encode(tok.apply_chat_template(conv, tokenize=False, continue_final_message=True),
-                      add_special_tokens=False)
-    assert tok.decode(want).endswith("<|start_header|>assistant<|end_header|>Sure, the")
-    opts = {"continue_final_message": True, "add_generation_prompt": False}
-    r = httpx.post(f"{server.url}/tokenize", json={"messages": conv, **opts}, timeout=30)
-    assert r.status_code == 200 and r.json()["tokens"] == want, r.text
-    out = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=2, temperature=0, extra_body=opts)
-    assert out.usage.prompt_tokens == len(want)
-
-
-def test_chat_template_kwargs_reach_the_models_template(server, client):
-    kw = dict(model=MODEL, messages=CHAT, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
-    plain = client.chat.completions.create(**kw)
-    thinking_off = client.chat.completions.create(
-        **{**kw, "extra_body": {**kw["extra_body"], "chat_template_kwargs": {"enable_thinking": False}}})
-    assert thinking_off.usage.prompt_tokens == plain.usage.prompt_tokens == len(_tokenize_chat(server))
-    # transformers lets template variables override the special tokens the template prints
-    ids = _tokenize_chat(server, chat_template_kwargs={"bos_token": "BOS"})
-    assert ids == list(b"BOS") + _tokenize_chat(server)[1:]
-
-
-def test_a_requests_chat_template_is_refused_without_the_trust_flag(server):
-    r = httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=30,
-                   json={"messages": CHAT, "chat_template": "{{ messages[0]['content'] }}"})
-    assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
-
-
-@pytest.fixture(scope="module")
-def templated_server(tmp_path_factory):
-    """A server with a default chat template from a file, which also takes requests' own templates."""
-    path = tmp_path_factory.mktemp("chat") / "template.jinja"
-    path.write_text(FILE_TEMPLATE)
-    srv = Server("--chat-template", str(path), "--trust-request-chat-template")
-    yield srv
-    assert srv.stop() == 0
-
-
-def test_chat_template_file_renders_every_chat_request_and_a_trusted_request_may_bring_its_own(templated_server):
-    srv = templated_server
-    other = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-    assert _tokenize_chat(srv) == list(b"[user] hi\n[assistant] ")
-    assert _tokenize_chat(srv, chat_template_kwargs={"shout": True}) == list(b"LOUD [user] hi\n[assistant] ")
-    assert _tokenize_chat(srv, chat_template="{{ messages[0]['content'] }}!") == list(b"hi!")
-    kw = dict(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
-    assert other.chat.completions.create(**kw).usage.prompt_tokens == len("[user] hi\n[assistant] ")
-    loud = other.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"shout": True}})
-    assert loud.usage.prompt_tokens == len("LOUD [user] hi\n[assistant] ")
-    own = other.chat.completions.create(**kw, extra_body={"chat_template": "{{ messages[0]['content'] }}!"})
-    assert own.usage.prompt_tokens == 3
-
-
-def test_documents_and_reasoning_effort_reach_the_chat_template(templated_server):
-    other = openai.OpenAI(base_url=f"{templated_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-    docs = [{"title": "a", "text": "abc"}, {"title": "b", "text": "de"}]
-    out = other.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_body={
-        "documents": docs, "chat_template": "{% for d in documents %}{{ d['text'] }};{% endfor %}"})
-    assert out.usage.prompt_tokens == len("abc;de;")
-    show = {"chat_template": "{{ reasoning_effort }}/{{ enable_thinking }}", "return_token_ids": True}
-    off = {"enable_thinking": False}
-    for extra, text in (({}, "/"), ({"reasoning_effort": "low"}, "low/True"),
-                        ({"reasoning_effort": "none"}, "none/False"),
-                        ({"reasoning_effort": "high", "chat_template_kwargs": off}, "high/False")):
-        out = other.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_body={**show, **extra})
-        assert bytes(out.prompt_token_ids).decode() == text
-
-
-def test_render_chat_adds_the_tokenizers_special_tokens_only_when_asked():
-    from jengine.tokenizer import render_chat
-
-    class Tokenizer:
-        chat_template = "unused"
-
-        def apply_chat_template(self, conversation, tokenize, **kw):
-            return "".join(d["text"] for d in kw.get("documents") or ()) + conversation[-1]["content"]
-
-        def encode(self, text, add_special_tokens):
-            return [1] * add_special_tokens + list(text.encode())
-
-    assert render_chat(Tokenizer(), CHAT, add_generation_prompt=True) == list(b"hi")
-    assert render_chat(Tokenizer(), CHAT, add_generation_prompt=True, add_special_tokens=True,
-                       documents=[{"text": "d"}]) == [1, *b"dhi"]
-
-
-def test_serve_cli_chat_template_is_a_file_or_the_template_itself(tmp_path, capsys):
-    from jengine.cli import build_parser
-
-    parser = build_parser()
-    path = tmp_path / "t.jinja"
-    path.write_text(FILE_TEMPLATE)
-    args = parser.parse_args(["serve", MODEL])
-    assert (args.chat_template, args.trust_request_chat_template) == (None, False)
-    args = parser.parse_args(["serve", MODEL, "--chat-template", str(path), "--trust-request-chat-template"])
-    assert (args.chat_template, args.trust_request_chat_template) == (FILE_TEMPLATE, True)
-    assert parser.parse_args(["serve", MODEL, "--chat-template", "{{ x }}"]).chat_template == "{{ x }}"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["serve", MODEL, "--chat-template", str(tmp_path / "missing.jinja")])
-    assert "is neither a file nor a Jinja template" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])

@@ -13,6 +13,7 @@ import httpx
 
 MODEL = "jengine/tiny-llama"
 API_KEY = "test-key"
+CHAT = [{"role": "user", "content": "hi"}]
 SMALL_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
                 "--token-buckets", "16,64", "--seq-buckets", "8"]
 
@@ -88,3 +89,10 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def tokenize_chat(srv, **body) -> list[int]:
+    """A running server's /tokenize of a conversation (CHAT unless body's messages say otherwise)."""
+    r = httpx.post(f"{srv.url}/tokenize", json={"messages": CHAT} | body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
