@@ -19,18 +19,6 @@ GREEDY_EXTRA = {"ignore_eos": True, "return_tokens_as_token_ids": True}
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server()
-    yield srv
-    assert srv.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
 def llm():
     """The server's engine in this process, to hold its answers to."""
     return LLM(MODEL, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64),

@@ -9,19 +9,6 @@ import openai
 import pytest
 from test_server_harness import API_KEY, CHAT, MODEL, Server, tokenize_chat
 
-
-@pytest.fixture(scope="module")
-def server():
-    srv = Server()
-    yield srv
-    assert srv.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
 FILE_TEMPLATE = ("{% if shout %}LOUD {% endif %}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
 
