@@ -340,16 +340,20 @@ class LLMEngine:
         sampled_logprobs = result.sampled_logprobs.tolist()
         touched: dict[str, _Group] = {}  # in batch order
         recorded, with_logprobs = 0, []  # with_logprobs: (row, child) of the rows that want logprobs
-        for i, entry in enumerate(sched.scheduled):
-            request = entry.request
-            child = self._children.get(request.request_id)
-            if not entry.produces_token or child is None:
-                continue
-            if request.is_finished and request.request_id not in finished:
-                continue  # ended in an earlier step; this row ran ahead of that news
+        recording = [(i, child) for i, entry in enumerate(sched.scheduled)
+                if entry.produces_token and (child := self._children.get(entry.request.request_id)) is not None
+                # a request that ended in an earlier step: this row ran ahead of that news
+                and not (entry.request.is_finished and entry.request.request_id not in finished)]
+        complete = set()  # the grammars of the guided rows still running take their tokens together
+        if self._guided:
+            complete = self._guided.advance_many([(c.request.request_id, c.request.output_token_ids[-1])
+                                                  for _, c in recording if not c.request.is_finished])
+        for i, child in recording:
+            request = child.request
             if child.logprobs is not None:
                 with_logprobs.append((i, child))
-            self._record_token(child, sampled_logprobs[i], request.request_id in finished)
+            self._record_token(child, sampled_logprobs[i], request.request_id in finished,
+                               request.request_id in complete)
             recorded += 1
             group = self._groups[child.group_id]
             if group.params.output_kind is not RequestOutputKind.FINAL_ONLY or request.is_finished:
@@ -455,7 +459,9 @@ class LLMEngine:
             append_positions(into, targets, ks, rows, plp.token_logprobs, plp.token_ranks, plp.topk_ids,
                              plp.topk_logprobs)
 
-    def _record_token(self, child: _Child, logprob: float, finished: bool) -> None:
+    def _record_token(self, child: _Child, logprob: float, finished: bool, grammar_complete: bool) -> None:
+        """Apply a row's sampled token: logprob, stop reason, text (a stop string ends the request), and the
+        end of a request whose grammar is complete (`GuidedRequests.advance_many`)."""
         request = child.request
         token = request.output_token_ids[-1]
         child.cumulative_logprob += logprob
@@ -466,8 +472,8 @@ class LLMEngine:
             if stop_str is not None and not finished:
                 self.scheduler.finish_request(request.request_id, "stop")
                 child.stop_reason = stop_str
-        if not request.is_finished and self._guided.advance(request.request_id, token):
-            self.scheduler.finish_request(request.request_id, "stop")  # the grammar is complete
+        if grammar_complete and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, "stop")
 
     def _make_output(self, group_id: str) -> RequestOutput:
         """The group's output, of its `output_kind`: DELTA carries only the text, tokens and logprobs

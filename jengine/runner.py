@@ -118,11 +118,11 @@ def _forward(params, kv_caches, ints, floats, prev_ids, logits_buffer, hidden_bu
 _FILTERS = ((False, False, False, 0, False), (False, False, True, 0, False), (False, True, True, 0, False),
             (True, True, True, 0, False), (True, True, True, SMALL_TOP_K, False),
             (True, True, True, SMALL_TOP_K, True), (True, True, True, WIDE_TOP_K, True))
-# (filter_k, filter_p, random, k_bound, small_p) above; then the two programs of guided batches
-# (structured outputs, `guided_switches`): without filters, and with both in their general form
+# (filter_k, filter_p, random, k_bound, small_p) above; then the three programs of guided batches
+# (structured outputs, `guided_switches`): greedy, and the general one without filters and with both
 SAMPLER_VARIANTS = tuple(SamplerSwitches(k, p, r, top, bound, small_p) for k, p, r, bound, small_p in _FILTERS
                          for top in (False, True)) + tuple(
-    guided_switches(SamplerSwitches(f, f, True, True)) for f in (False, True))
+    guided_switches(SamplerSwitches(f, f, r, r)) for f, r in ((False, False), (False, True), (True, True)))
 
 
 def _sample(logits, ints, floats, ids_buffer, *, layout, filter_k: bool, filter_p: bool, random: bool,

@@ -310,9 +310,14 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
 
 
 def guided_switches(switches: SamplerSwitches) -> SamplerSwitches:
-    """The program of a guided batch that does what `switches` asks: guided batches take the general program
-    with top logprobs, with no filter or with both selects in their general form, so that they add two
-    programs per S, not one per variant (guided steps wait for the previous step's tokens anyway)."""
+    """The program of a guided batch that does what `switches` asks. A batch of greedy rows without logprobs (or
+    anything else of the general program) takes an argmax of the masked logits; every other guided batch takes
+    the general program with top logprobs, with no filter or with both selects in their general form. So guided
+    batches add three programs per S, not one per variant (guided steps wait for the previous step's tokens
+    anyway). The greedy one spares such steps the bias and penalty tables (2.7 MB a step at S=256 to pack and
+    send), the random draws and the top logprobs."""
+    if not (switches.random or switches.top_logprobs):
+        return switches._replace(guided=True)
     filters = switches.filter_k or switches.filter_p
     return SamplerSwitches(filter_k=filters, filter_p=filters, random=True, top_logprobs=True, guided=True)
 

@@ -75,7 +75,7 @@ def cold(tmp_path_factory):
 def test_first_start_stores_one_file_per_program(cold):
     first, cache_dir = cold
     assert first["hits"] == 0
-    assert first["lowerings"] == first["programs"] == len(_entries(cache_dir)) == 18  # 1 forward, 16 samplers, 1
+    assert first["lowerings"] == first["programs"] == len(_entries(cache_dir)) == 19  # 1 forward, 17 samplers, 1
     assert first["traces"] == first["programs"]
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from jengine.runner import SAMPLER_VARIANTS
 from jengine.sampler import (
+    SamplerSwitches,
     SamplingRow,
     build_sampling_tensors,
     guided_switches,
@@ -94,6 +95,24 @@ def test_greedy_and_random_draws_land_on_allowed_tokens_only(filters):
     assert len({i for r, i in seen if r >= 2}) > S - 2  # random rows do draw different allowed tokens
 
 
+def test_a_greedy_guided_batch_takes_an_argmax_of_the_masked_logits_without_the_general_tables():
+    rng = np.random.default_rng(3)
+    S = 8
+    logits = (rng.standard_normal((S, V)) * 3).astype(np.float32)
+    bitmask = _random_bitmask(rng, S, min_allowed=3)
+    t = _tensors([P(temperature=0)] * (S - 1), bitmask, S=S)  # and a padding row
+    switches = sampler_switches(t, V)
+    assert switches == SamplerSwitches(False, False, False, False, guided=True) and switches in SAMPLER_VARIANTS
+    inputs = program_inputs(t, switches)
+    assert np.asarray(inputs.penalty_ids).shape == (S, 0) and np.asarray(inputs.bias_ids).shape == (S, 0)
+    out = _sample(logits, inputs, **switches._asdict())
+    masked = np.where(_allowed_reference(bitmask), logits, -np.inf)
+    np.testing.assert_array_equal(np.asarray(out.next_ids), np.argmax(masked, axis=-1))
+    general = _sample(logits, t, **guided_switches(switches._replace(random=True))._asdict())  # the program before
+    np.testing.assert_array_equal(np.asarray(out.next_ids), np.asarray(general.next_ids))
+    np.testing.assert_allclose(np.asarray(out.sampled_logprobs), np.asarray(general.sampled_logprobs), rtol=1e-6)
+
+
 def test_processed_logprobs_leave_out_the_masked_tokens():
     rng = np.random.default_rng(2)
     logits = rng.standard_normal((2, V)).astype(np.float32)
@@ -118,7 +137,7 @@ def test_unguided_batches_keep_their_programs_and_guided_ones_take_a_warmed_up_o
         switches = sampler_switches(t, V)
         assert switches.guided and switches in SAMPLER_VARIANTS
         np.testing.assert_array_equal(program_inputs(t, switches).token_bitmask, t.token_bitmask)
-    assert sum(v.guided for v in SAMPLER_VARIANTS) == 2
+    assert sum(v.guided for v in SAMPLER_VARIANTS) == 3
 
 
 def test_a_bitmask_of_the_wrong_shape_is_refused():

@@ -158,3 +158,43 @@ def test_disable_additional_properties_closes_objects_that_do_not_say(compiler):
         consume(matcher, ord(ch))
     assert _allowed(compiler, matcher) == {ord("}")}  # no other property
     assert "additionalProperties" not in schema["properties"]["a"]  # the caller's schema is left alone
+
+
+_GRAMMARS = (dict(choice=["yes", "no", "nope"]), dict(regex="[a-c]{2,5}(x|yz)?"),
+             dict(json={"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                        "required": ["a"]}, disable_any_whitespace=True))
+
+
+def test_a_repeated_constraint_is_checked_once_and_the_cache_is_bounded(monkeypatch):
+    import jengine.structured_output as so_module
+
+    checked = []
+    monkeypatch.setattr(so_module, "grammar_text", lambda so, tok: checked.append(so.kind) or f"start: {so.regex!r}")
+    compiler = GrammarCompiler(load_tokenizer("jengine/tiny-llama"), V, EOS, cache_size=2)
+    first = compiler.grammar(StructuredOutputsParams(regex="a+"))
+    assert compiler.grammar(StructuredOutputsParams(regex="a+")) is first and checked == ["regex"]
+    # the same schema as a dict in another key order is the same constraint
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
+    compiler.grammar(StructuredOutputsParams(json=schema))
+    compiler.grammar(StructuredOutputsParams(json=dict(reversed(list(schema.items())))))
+    assert checked == ["regex", "json"]
+    compiler.grammar(StructuredOutputsParams(regex="b+"))  # a third: the least recently used (a+) goes
+    compiler.grammar(StructuredOutputsParams(regex="a+"))
+    assert checked == ["regex", "json", "regex", "regex"]
+
+
+def test_many_matchers_advance_on_the_pool_as_one_by_one(compiler):
+    grammars = [compiler.grammar(StructuredOutputsParams(**kw)) for kw in _GRAMMARS]
+    tokens = [ord(c) for c in "na{zb{"]  # "z": refused by the choices
+    one_by_one = [compiler.matcher(g) for g in grammars * 2]
+    together = [compiler.matcher(g) for g in grammars * 2]
+    stopped = compiler.matcher(grammars[0])
+    for ch in "yes":
+        consume(stopped, ord(ch))
+    assert stopped.is_stopped()
+    expected = [consume(m, t) for m, t in zip(one_by_one, tokens)] + [True]
+    assert compiler.consume(list(zip(together, tokens)) + [(stopped, ord("x"))]) == expected
+    assert expected[:6] == [False, False, False, True, False, False]
+    assert [m.is_error() for m in together] == [m.is_error() for m in one_by_one] == [False] * 3 + [True, False, False]
+    for a, b in zip(together, one_by_one):
+        assert _allowed(compiler, a) == _allowed(compiler, b)
