@@ -289,7 +289,7 @@ class LLMEngine:
             if late:  # the forward runs while the previous step's tokens come back for the sampling tables
                 forward = self.runner.launch_forward(inp)
                 t3 = clock()
-                outputs += self._resolve(*inflight)
+                outputs += self._resolve(*inflight, upcoming=(sched.scheduled, inp.logits_indices.shape[0]))
                 inflight = None
                 t4 = clock()
                 inp = dataclasses.replace(inp, sampling=self._sampling_tensors(sched, inp.logits_indices.shape[0]))
@@ -326,8 +326,10 @@ class LLMEngine:
         return bool(history) and any(e.request_id in history and PLACEHOLDER in e.request.output_token_ids[-1:]
                                      for e in sched.scheduled)
 
-    def _resolve(self, sched: SchedulerOutput, pending) -> list[RequestOutput]:
-        """Read a launched step's results, apply them to the requests, and build their outputs."""
+    def _resolve(self, sched: SchedulerOutput, pending, upcoming: tuple | None = None) -> list[RequestOutput]:
+        """Read a launched step's results, apply them to the requests, and build their outputs. `upcoming`:
+        the scheduled entries and row count of the step being built, whose token bitmask (structured outputs)
+        is then filled on a worker thread, once the grammars have their tokens, while this goes on."""
         t0 = time.perf_counter()
         result = to_host(pending[0])
         plp = None if pending[1] is None else to_host(pending[1])  # this step computed prompt logprobs
@@ -338,25 +340,27 @@ class LLMEngine:
             self._record_prompt_logprobs(sched, plp)
         finished = {r.request_id for r in self.scheduler.resolve(sched, result.next_ids.tolist())}
         sampled_logprobs = result.sampled_logprobs.tolist()
-        touched: dict[str, _Group] = {}  # in batch order
         recorded, with_logprobs = 0, []  # with_logprobs: (row, child) of the rows that want logprobs
         recording = [(i, child) for i, entry in enumerate(sched.scheduled)
-                if entry.produces_token and (child := self._children.get(entry.request.request_id)) is not None
-                # a request that ended in an earlier step: this row ran ahead of that news
-                and not (entry.request.is_finished and entry.request.request_id not in finished)]
-        complete = set()  # the grammars of the guided rows still running take their tokens together
+                     if entry.produces_token and (child := self._children.get(entry.request.request_id)) is not None
+                     # a request that ended in an earlier step: this row ran ahead of that news
+                     and not (entry.request.is_finished and entry.request.request_id not in finished)]
+        guided = None  # the grammars of the guided rows still running take their tokens on a worker thread
         if self._guided:
-            complete = self._guided.advance_many([(c.request.request_id, c.request.output_token_ids[-1])
-                                                  for _, c in recording if not c.request.is_finished])
+            guided = self._guided.advance_many([(c.request.request_id, c.request.output_token_ids[-1])
+                                                for _, c in recording if not c.request.is_finished], upcoming)
         for i, child in recording:
-            request = child.request
             if child.logprobs is not None:
                 with_logprobs.append((i, child))
-            self._record_token(child, sampled_logprobs[i], request.request_id in finished,
-                               request.request_id in complete)
+            self._record_token(child, sampled_logprobs[i], child.request.request_id in finished)
             recorded += 1
+        for request_id in guided.result() if guided is not None else ():  # their grammars are complete
+            if not self._children[request_id].request.is_finished:
+                self.scheduler.finish_request(request_id, "stop")
+        touched: dict[str, _Group] = {}  # in batch order
+        for _, child in recording:
             group = self._groups[child.group_id]
-            if group.params.output_kind is not RequestOutputKind.FINAL_ONLY or request.is_finished:
+            if group.params.output_kind is not RequestOutputKind.FINAL_ONLY or child.request.is_finished:
                 touched[child.group_id] = group
         if with_logprobs:  # the sampled token with its rank, then the row's top logprobs
             rows, children = zip(*with_logprobs)
@@ -459,9 +463,8 @@ class LLMEngine:
             append_positions(into, targets, ks, rows, plp.token_logprobs, plp.token_ranks, plp.topk_ids,
                              plp.topk_logprobs)
 
-    def _record_token(self, child: _Child, logprob: float, finished: bool, grammar_complete: bool) -> None:
-        """Apply a row's sampled token: logprob, stop reason, text (a stop string ends the request), and the
-        end of a request whose grammar is complete (`GuidedRequests.advance_many`)."""
+    def _record_token(self, child: _Child, logprob: float, finished: bool) -> None:
+        """Apply a row's sampled token: logprob, stop reason, text (a stop string ends the request)."""
         request = child.request
         token = request.output_token_ids[-1]
         child.cumulative_logprob += logprob
@@ -472,8 +475,6 @@ class LLMEngine:
             if stop_str is not None and not finished:
                 self.scheduler.finish_request(request.request_id, "stop")
                 child.stop_reason = stop_str
-        if grammar_complete and not request.is_finished:
-            self.scheduler.finish_request(request.request_id, "stop")
 
     def _make_output(self, group_id: str) -> RequestOutput:
         """The group's output, of its `output_kind`: DELTA carries only the text, tokens and logprobs

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
@@ -280,11 +281,17 @@ def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
 
 class GuidedRequests:
     """An engine's structured-output state: the grammar compiler, made at the first guided request, and the
-    matcher of every unfinished guided sequence by its (scheduler) request id."""
+    matcher of every unfinished guided sequence by its (scheduler) request id.
+
+    The matchers take each step's tokens, and the next step's bitmask is filled, on one worker thread
+    (`advance_many`), while the engine thread applies the rest of the step's results: llguidance runs both on
+    its own pool without Python's lock. Only that thread touches the matchers in between."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids=()):
         self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
         self._compiler: GrammarCompiler | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._filling: tuple | None = None  # (entries, num_rows, future bitmask) started by advance_many
         self.matchers: dict[str, llguidance.LLMatcher] = {}
 
     def __bool__(self) -> bool:
@@ -300,6 +307,7 @@ class GuidedRequests:
             raise ValueError("structured_outputs needs a tokenizer; this model has none")
         if self._compiler is None:
             self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._eos)
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="jengine-grammar")
         grammar = self._compiler.grammar(so)
         return [self._compiler.matcher(grammar) for _ in range(params.n)]
 
@@ -310,31 +318,48 @@ class GuidedRequests:
     def discard(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
 
-    def advance_many(self, tokens: list[tuple[str, int]]) -> set[str]:
-        """Feed each `(request_id, token)` to the request's matcher (requests without one are passed over), all
-        at once: the ids of the sequences that must end, their grammar complete or broken (that is logged)."""
-        if not self.matchers:
-            return set()
+    def advance_many(self, tokens: list[tuple[str, int]], upcoming: tuple | None = None) -> Future:
+        """Feed each `(request_id, token)` to the request's matcher (requests without one are passed over), on
+        the worker thread: a future of the ids of the sequences that must end, their grammar complete or broken
+        (that is logged). `upcoming` (`bitmask`'s entries and num_rows): then fill that step's bitmask there too,
+        which `bitmask` of the same entries takes."""
+        self._wait_filling()
         pairs = [(rid, m, t) for rid, t in tokens if (m := self.matchers.get(rid)) is not None]
-        if not pairs:
-            return set()
-        ended = {rid for (rid, _, _), done in zip(pairs, self._compiler.consume([(m, t) for _, m, t in pairs]))
-                 if done}
-        for rid in ended:
-            self._log_error(rid)
+        ended = self._worker.submit(self._consume, pairs)
+        if upcoming is not None:
+            entries, num_rows = upcoming
+            rows = self._rows(entries)
+            if rows:
+                self._filling = (entries, num_rows, self._worker.submit(self._compiler.fill_bitmask, rows, num_rows))
         return ended
 
-    def _log_error(self, request_id: str) -> None:
-        matcher = self.matchers[request_id]
-        if matcher.is_error():  # a token the mask allowed always advances the grammar
-            logger.warning("request %s: structured output ended early: %s", request_id,
-                           _one_line(matcher.get_error())[:500])
+    def _consume(self, pairs) -> set[str]:
+        done = self._compiler.consume([(m, t) for _, m, t in pairs]) if pairs else []
+        ended = {rid for (rid, _, _), end in zip(pairs, done) if end}
+        for rid, matcher, _ in pairs:
+            if rid in ended and matcher.is_error():  # a token the mask allowed always advances the grammar
+                logger.warning("request %s: structured output ended early: %s", rid,
+                               _one_line(matcher.get_error())[:500])
+        return ended
 
     def bitmask(self, entries, num_rows: int) -> np.ndarray | None:
         """The allowed next tokens `[num_rows, ceil(V / 32)]` of a step's scheduled `entries` (row i is entry
         i) where a row that samples is guided, else None (the unguided sampling program)."""
+        filling, self._filling = self._filling, None
+        if filling is not None and filling[0] is entries and filling[1] == num_rows:
+            return filling[2].result()
+        if filling is not None:
+            filling[2].result()  # another step's: the matchers are the engine thread's again once it is done
         if not self.matchers:
             return None
-        rows = [(i, m) for i, e in enumerate(entries) if (m := self.matchers.get(e.request_id)) is not None
-                and e.produces_token and not e.request.is_finished]
+        rows = self._rows(entries)
         return self._compiler.fill_bitmask(rows, num_rows) if rows else None
+
+    def _rows(self, entries) -> list[tuple[int, llguidance.LLMatcher]]:
+        return [(i, m) for i, e in enumerate(entries) if (m := self.matchers.get(e.request_id)) is not None
+                and e.produces_token and not e.request.is_finished]
+
+    def _wait_filling(self) -> None:
+        if self._filling is not None:
+            self._filling[2].result()
+            self._filling = None

@@ -198,3 +198,31 @@ def test_many_matchers_advance_on_the_pool_as_one_by_one(compiler):
     assert [m.is_error() for m in together] == [m.is_error() for m in one_by_one] == [False] * 3 + [True, False, False]
     for a, b in zip(together, one_by_one):
         assert _allowed(compiler, a) == _allowed(compiler, b)
+
+
+def test_a_step_s_tokens_and_the_next_bitmask_are_handled_on_the_worker_thread(monkeypatch):
+    import threading
+    from types import SimpleNamespace
+
+    from jengine.structured_output import GuidedRequests
+
+    guided = GuidedRequests(load_tokenizer("jengine/tiny-llama"), V, EOS)
+    params = SamplingParams(structured_outputs={"choice": ["ab", "ax"]}, n=2)
+    for rid, matcher in zip(("r0", "r1"), guided.new_matchers(params)):
+        guided.add(rid, matcher)
+    threads = []
+    fill = guided._compiler.fill_bitmask
+    monkeypatch.setattr(guided._compiler, "fill_bitmask",
+                        lambda *a: threads.append(threading.current_thread().name) or fill(*a))
+    entry = lambda rid: SimpleNamespace(request_id=rid, produces_token=True,  # noqa: E731
+                                        request=SimpleNamespace(is_finished=False))
+    entries = [entry("r0"), entry("plain"), entry("r1")]
+    ended = guided.advance_many([("r0", ord("a")), ("plain", 5), ("r1", ord("z"))], upcoming=(entries, 4))
+    assert ended.result() == {"r1"}  # "z" broke r1's grammar
+    table = guided.bitmask(entries, 4)
+    assert threads == ["jengine-grammar_0"]  # filled once, on the worker, after the tokens
+    assert set(allowed_tokens(table[0], V).tolist()) == {ord("b"), ord("x")}
+    assert (table[[1, 3]] == -1).all()  # unguided and padding rows allow everything
+    # a step built without that prefetch fills on the engine thread, after the worker is done
+    again = guided.bitmask(entries[:1], 2)
+    assert threads[-1] == threading.current_thread().name and (again[0] == table[0]).all()
