@@ -438,6 +438,15 @@ def test_sampler_filter_times_every_select_and_checks_them_against_the_radix_one
         _run("sampler_filter", ["--top-p", "1.5"], tmp_path)
 
 
+def test_grammar_host_times_fills_and_advances_of_built_and_copied_matchers(tmp_path):
+    data = _run("grammar_host", ["--model", "jengine/tiny-llama", "--rows", "5", "--steps", "3", "--copies",
+                                 "--transfer-mb", "0.01"], tmp_path)
+    assert [(r["constraint"], r["matchers"]) for r in data["results"]] == [
+        ("regex", "built"), ("regex", "copies"), ("json", "built"), ("json", "copies")]
+    assert all(r["fill_ms"] > 0 and r["advance_pool_ms"] > 0 for r in data["results"])
+    assert data["transfers"][0]["megabytes"] == 0.01 and data["transfers"][0]["device_put_ms"] > 0
+
+
 def test_bench_model_dir_trains_a_tokenizer_the_engine_loads(tmp_path):
     if BENCH not in sys.path:
         sys.path.insert(0, BENCH)
