@@ -17,6 +17,7 @@ import json
 import time
 
 import jax.numpy as jnp
+import numpy as np
 from common import (
     KV_CACHE_DTYPES,
     add_dataset_flags,
@@ -25,6 +26,7 @@ from common import (
     hf_in_child,
     make_requests,
     model_shape,
+    non_negative_int,
     positive_float,
     positive_int,
     print_table,
@@ -40,14 +42,19 @@ def kv_cache_bytes(kv_cache_dtype: str) -> int | None:
     return jnp.dtype(name).itemsize if name else None
 
 
-def sampling_params(args, max_tokens: int):
-    """jengine's SamplingParams for `--temperature/--top-p/--top-k/--logprobs/--flat-logprobs` (greedy by
-    default)."""
+def sampling_params(args, max_tokens: int, vocab: int = 0, index: int = 0):
+    """jengine's SamplingParams for `--temperature/--top-p/--top-k/--logprobs/--flat-logprobs/...` (greedy by
+    default); with `--allowed-token-ids N`, request `index` may sample N ids of `vocab` drawn for it."""
     from jengine import SamplingParams
 
+    allowed = None
+    if args.allowed_token_ids:
+        rng = np.random.default_rng(index)
+        allowed = sorted(int(t) for t in rng.choice(vocab, args.allowed_token_ids, replace=False))
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs,
                           flat_logprobs=args.flat_logprobs, max_tokens=max_tokens, ignore_eos=True,
-                          repetition_penalty=args.repetition_penalty, structured_outputs=args.structured_outputs)
+                          repetition_penalty=args.repetition_penalty, structured_outputs=args.structured_outputs,
+                          allowed_token_ids=allowed)
 
 
 def run_jengine(args, requests) -> dict:
@@ -56,7 +63,8 @@ def run_jengine(args, requests) -> dict:
     llm = build_llm(args)
     engine = llm.engine
     prompts = [p for p, _ in requests]
-    params = [sampling_params(args, o) for _, o in requests]
+    vocab = engine.model_config.vocab_size
+    params = [sampling_params(args, o, vocab, i) for i, (_, o) in enumerate(requests)]
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine.scheduler.block_manager.reset_prefix_cache()
     steps0, preempt0 = engine.stats["steps"], engine.stats["preemptions"]
@@ -184,9 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="every request's constraint (vLLM's StructuredOutputsParams fields as JSON, e.g. "
                              "'{\"regex\": \"[a-z ]+\"}'); needs a model dir with a tokenizer "
                              "(benchmarks/bench_model_dir.py)")
+    parser.add_argument("--allowed-token-ids", type=non_negative_int, default=0, metavar="N",
+                        help="every request may sample only N token ids drawn for it (allowed_token_ids; 0: off)")
     args = parser.parse_args(argv)
     try:
-        sampling_params(args, 1)
+        sampling_params(args, 1, model_shape(args.model)["vocab"])
     except ValueError as e:
         parser.error(str(e))
     if args.backend != "jengine":

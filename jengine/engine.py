@@ -32,7 +32,9 @@ from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, to_host
 from jengine.sampler import (
     DEFAULT_PENALTY_WINDOW,
+    BiasRow,
     SamplingRow,
+    bias_row,
     build_sampling_tensors,
     check_bias_table,
     check_token_ids,
@@ -59,6 +61,7 @@ class _Child:
     logprobs: FlatLogprobs | None
     bad_words: tuple  # the request's bad words as token sequences (`jengine.bad_words`)
     penalties: PenaltyWindow | None  # with penalties: the sequence's penalty window, kept across steps
+    bias: BiasRow | None = None  # with logit_bias or allowed_token_ids: the entries every step has (`bias_row`)
     cumulative_logprob: float = 0.0
     logprob_dicts: list | None = None  # dicts of `logprobs` made so far (CUMULATIVE outputs without flat_logprobs)
     stop_reason: int | str | None = None
@@ -205,6 +208,7 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         bad_words = self._check_token_params(params)
+        bias = bias_row(params, self.model_config.vocab_size)  # one for the n sequences (their params differ in seeds)
         matchers = self._guided.new_matchers(params)  # raises for a bad grammar before anything is kept
         text, ids = self.tokenize_prompt(prompt)
         ids = truncated(ids, params.truncate_prompt_tokens, self.config.max_model_len)
@@ -223,7 +227,7 @@ class LLMEngine:
             children.append(_Child(request, request_id, detok, self._rng_counter,
                                    FlatLogprobs() if params.logprobs is not None else None, bad_words,
                                    PenaltyWindow(ids, self.model_config.vocab_size, DEFAULT_PENALTY_WINDOW)
-                                   if params.uses_penalties else None,
+                                   if params.uses_penalties else None, bias,
                                    logprob_dicts=[] if keep_dicts else None))
             self._rng_counter += 1
         self._children.update((c.request.request_id, c) for c in children)
@@ -423,7 +427,7 @@ class LLMEngine:
             child = self._children.get(request.request_id)
             rows.append(SamplingRow(request.sampling_params, request.prompt_token_ids, request.output_token_ids,
                                     child.rng_counter if child else 0, child.bad_words if child else (),
-                                    child.penalties if child else None))
+                                    child.penalties if child else None, child.bias if child else None))
         return build_sampling_tensors(rows, num_seqs, self.model_config.vocab_size, engine_seed=self.config.seed,
                                       eos_token_ids=self.model_config.eos_token_ids,
                                       token_bitmask=self._guided.bitmask(sched.scheduled, num_seqs))

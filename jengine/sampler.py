@@ -94,6 +94,15 @@ class SamplingRow(NamedTuple):
     rng_counter: int = 0  # unique per request (e.g. arrival ordinal); used only when seed is None
     bad_words: Sequence[Sequence[int]] = ()  # token sequences of the request's bad words (`jengine.bad_words`)
     penalties: PenaltyWindow | None = None  # the request's window kept across steps; None: counted here
+    bias: BiasRow | None = None  # the request's `bias_row`, made once; None: built here when needed
+
+
+class BiasRow(NamedTuple):
+    """A request's bias-table entries that stay the same every step: its logit_bias, or its allowed_token_ids
+    with their biases (`bias_row`)."""
+
+    ids: np.ndarray  # [n] int32, unique
+    values: np.ndarray  # [n] f32
 
 
 class SamplerOutput(NamedTuple):
@@ -169,7 +178,7 @@ def build_sampling_tensors(
         seeded = [r.params.seed is not None for r in rows]
         key_words[:n] = [_seed_words(r.params.seed) if s else engine_words for r, s in zip(rows, seeded)]
         stream[:n] = [0 if s else (r.rng_counter + 1) & _U32 for r, s in zip(rows, seeded)]
-    for i, (p, prompt_ids, output_ids, _, bad_words, window) in enumerate(rows):
+    for i, (p, prompt_ids, output_ids, _, bad_words, window, kept) in enumerate(rows):
         if not p.is_greedy:
             greedy[i] = False
             temperature[i] = p.temperature
@@ -183,27 +192,16 @@ def build_sampling_tensors(
             penalty_ids[i, : len(ids)], penalty_counts[i, : len(ids)] = ids, counts
         banned = banned_tokens(bad_words, output_ids) if bad_words else ()
         suppress = num_out[i] < p.min_tokens
-        allowed = p.allowed_token_ids
-        if not p.logit_bias and not suppress and not banned and allowed is None:
+        if not p.logit_bias and not suppress and not banned and p.allowed_token_ids is None:
             continue
-        if allowed is None:
-            entries: dict[int, float] = dict(p.logit_bias)
+        allow_only[i] = p.allowed_token_ids is not None
+        if kept is not None and not suppress and not banned:  # the usual step: the request's own entries
+            ids, values = kept
         else:
-            allow_only[i] = True
-            entries = dict.fromkeys(allowed, 0.0)
-            entries.update((t, b) for t, b in p.logit_bias.items() if t in entries)
-        bans = [*p.all_stop_token_ids(eos_token_ids), *banned] if suppress else banned
-        entries.update((t, -np.inf) for t in bans if allowed is None or t in entries)
-        if len(entries) > B:
-            raise ValueError(f"row {i}: {len(entries)} allowed_token_ids/logit_bias/min_tokens/bad_words entries "
-                             f"exceed the cap {B}")
-        if entries:
-            bad = [t for t in entries if t >= V]
-            if bad:
-                raise ValueError(f"allowed_token_ids/logit_bias/stop_token_ids/bad_words contain out-of-vocab token "
-                                 f"ids {bad[:5]} (V={V})")
-            bias_ids[i, : len(entries)] = list(entries)
-            bias_values[i, : len(entries)] = list(entries.values())
+            entries = _bias_entries(p, [*p.all_stop_token_ids(eos_token_ids), *banned] if suppress else banned)
+            _check_bias_entries(entries, V, B, f"row {i}: ")
+            ids, values = list(entries), list(entries.values())
+        bias_ids[i, : len(ids)], bias_values[i, : len(ids)] = ids, values
 
     return SamplingTensors(
         temperature=temperature, greedy=greedy, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -213,6 +211,42 @@ def build_sampling_tensors(
         rng_key_words=key_words, rng_stream=stream, rng_step=step, wants_logprobs=wants_logprobs,
         token_bitmask=_padded_bitmask(token_bitmask, S, V),
     )
+
+
+def bias_row(params: SamplingParams, vocab_size: int, cap: int = DEFAULT_MAX_BIAS_ENTRIES) -> BiasRow | None:
+    """The request's entries of the bias table that every step has (`BiasRow`), or None where it has none.
+    Made once per request, they spare each step rebuilding them (for 256 rows of 300 allowed_token_ids,
+    tens of ms a step on a dev CPU); steps that add entries (min_tokens' suppressed stop ids, bad words' banned
+    tokens) still build theirs."""
+    if not params.logit_bias and params.allowed_token_ids is None:
+        return None
+    entries = _bias_entries(params, ())
+    _check_bias_entries(entries, vocab_size, cap)
+    n = len(entries)
+    return BiasRow(np.fromiter(entries, np.int32, n), np.fromiter(entries.values(), np.float32, n))
+
+
+def _bias_entries(p: SamplingParams, bans) -> dict[int, float]:
+    """A row's bias-table entries: its logit_bias, or only its allowed_token_ids (with their logit_bias), and -inf
+    for `bans` (suppressed stop ids, banned bad-word tokens; among the allowed ones only)."""
+    allowed = p.allowed_token_ids
+    if allowed is None:
+        entries: dict[int, float] = dict(p.logit_bias)
+    else:
+        entries = dict.fromkeys(allowed, 0.0)
+        entries.update((t, b) for t, b in p.logit_bias.items() if t in entries)
+    entries.update((t, -np.inf) for t in bans if allowed is None or t in entries)
+    return entries
+
+
+def _check_bias_entries(entries: dict[int, float], vocab_size: int, cap: int, where: str = "") -> None:
+    if len(entries) > cap:
+        raise ValueError(f"{where}{len(entries)} allowed_token_ids/logit_bias/min_tokens/bad_words entries exceed "
+                         f"the cap {cap}")
+    bad = [t for t in entries if t >= vocab_size]
+    if bad:
+        raise ValueError(f"allowed_token_ids/logit_bias/stop_token_ids/bad_words contain out-of-vocab token ids "
+                         f"{bad[:5]} (V={vocab_size})")
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

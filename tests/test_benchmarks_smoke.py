@@ -39,6 +39,9 @@ def test_throughput_random_and_chat_like_write_results_and_bound(tmp_path):
     data = _run("throughput", [*ENGINE, "--dataset", "chat-like", "--num-prompts", "6"], tmp_path)
     assert data["results"][0]["output_tokens"] > 0
     data = _run("throughput", [*ENGINE, "--num-prompts", "4", "--input-len", "8", "--output-len", "3",
+                               "--allowed-token-ids", "5"], tmp_path)
+    assert data["results"][0]["output_tokens"] == 12 and data["args"]["allowed_token_ids"] == 5
+    data = _run("throughput", [*ENGINE, "--num-prompts", "4", "--input-len", "8", "--output-len", "3",
                                "--temperature", "0.8", "--top-p", "0.9", "--top-k", "5", "--logprobs", "2",
                                "--flat-logprobs"], tmp_path)
     assert data["results"][0]["output_tokens"] == 12 and data["args"]["top_p"] == 0.9 and data["args"]["flat_logprobs"]

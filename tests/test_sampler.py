@@ -10,6 +10,7 @@ import pytest
 from jengine.sampler import (
     SamplerSwitches,
     SamplingRow,
+    bias_row,
     build_sampling_tensors,
     compute_logprobs,
     process_logits,
@@ -265,6 +266,27 @@ def test_the_bias_table_with_allow_only_equals_a_reference_mask():
     banned = jnp.zeros((4, V), bool).at[0, 2].set(True).at[1, jnp.array([11, 6])].set(True).at[2, 12].set(True)
     want = jnp.where(allowed & ~banned, x + bias, -jnp.inf)
     np.testing.assert_array_equal(np.asarray(_process(logits, t)), np.asarray(want))
+
+
+def test_a_request_s_kept_bias_row_gives_the_tables_built_each_step():
+    """A row with its `bias_row` (made once per request) fills the same bias table as one built at the step, while
+    min_tokens suppresses stop ids, while a bad word is banned, and after; rows without entries have none."""
+    params = [P(allowed_token_ids=[3, 5, 7, 2], logit_bias={5: 2.0, 9: 50.0}, min_tokens=2),
+              P(logit_bias={1: -3.0, 4: 0.5}), P(allowed_token_ids=[0, 4, 6, 11]), P(min_tokens=3), P()]
+    bad = [(), ((8, 12),), ((4, 6),), (), ((4,),)]
+    assert [bias_row(p, V) is None for p in params] == [False, False, False, True, True]
+    assert bias_row(params[0], V).ids.tolist() == [3, 5, 7, 2] and bias_row(params[0], V).values.tolist()[1] == 2.0
+    def table(outputs, kept):
+        rows = [SamplingRow(p, [1], outputs, 0, b, None, bias_row(p, V) if kept else None)
+                for p, b in zip(params, bad)]
+        t = build_sampling_tensors(rows, 6, V, eos_token_ids=(2,))
+        return (np.asarray(t.bias_ids), np.asarray(t.bias_values), np.asarray(t.allow_only))
+
+    for outputs in ([], [8], [4, 8], [8, 4, 1]):  # suppressed for the first two steps; bans after 8 and 4
+        for built, kept in zip(table(outputs, False), table(outputs, True)):
+            np.testing.assert_array_equal(kept, built)
+    with pytest.raises(ValueError, match="out-of-vocab"):
+        bias_row(P(logit_bias={V + 3: 1.0}), V)
 
 
 def test_greedy_and_random_draws_land_only_in_the_allowed_set():
