@@ -66,6 +66,7 @@ def test_required_is_an_array_of_at_least_one_call_of_a_given_tool_with_its_para
             {"type": "object", "properties": {"name": {"type": "string", "enum": ["now"]}, "parameters": NO_PARAMETERS},
              "required": ["name", "parameters"], "additionalProperties": False}]}}
     grammar_text(StructuredOutputsParams(json=schema))  # llguidance compiles it, $refs and all
+    assert output_schema(TOOLS, ToolChoice("required"), parallel=False) == {**schema, "maxItems": 1}
 
 
 def test_a_named_function_is_constrained_to_its_parameters_and_one_without_them_to_an_empty_object():

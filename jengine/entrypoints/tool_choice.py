@@ -5,7 +5,8 @@ output where the choice leaves the model no freedom (vLLM's rules):
 - "none": no call is read from the output (the tools still reach the chat template);
 - "auto": the model may call tools; the server's `--tool-call-parser` reads its calls;
 - "required": the output is a JSON array of at least one `{"name": <a tool's name>, "parameters": <that
-  tool's parameters>}` object; with an empty tools list it is "none", as in OpenAI's API;
+  tool's parameters>}` object (exactly one with parallel_tool_calls false); with an empty tools list it is
+  "none", as in OpenAI's API;
 - `{"type": "function", "function": {"name": NAME}}`: the output is NAME's arguments, a JSON object
   matching its parameters.
 
@@ -62,8 +63,9 @@ def resolve_tool_choice(tools: list[dict] | None, tool_choice: Any) -> ToolChoic
     return ToolChoice("function", name)
 
 
-def output_schema(tools: list[dict], choice: ToolChoice) -> dict | None:
-    """The JSON schema a constrained choice holds the output to; None for "none" and "auto"."""
+def output_schema(tools: list[dict], choice: ToolChoice, parallel: bool = True) -> dict | None:
+    """The JSON schema a constrained choice holds the output to; None for "none" and "auto". Without
+    `parallel` (the request's parallel_tool_calls) "required" allows one call only."""
     if choice.mode == "function":
         function = next(t["function"] for t in tools if t["function"]["name"] == choice.function)
         return _parameters(function)
@@ -83,6 +85,8 @@ def output_schema(tools: list[dict], choice: ToolChoice) -> dict | None:
                                                        "parameters": parameters},
                       "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema
