@@ -109,3 +109,13 @@ def test_auto_needs_the_servers_flag_and_the_flags_are_checked_at_start_up():
     assert not ToolCallingConfig(exclude_tools_when_tool_choice_none=True).excludes_tools(ToolChoice("required"))
     assert not ToolCallingConfig().excludes_tools(ToolChoice("none"))
 
+
+def test_serve_refuses_bad_tool_flags_before_building_an_engine(capsys):
+    from jengine.cli import main
+
+    assert main(["serve", "jengine/tiny-llama", "--enable-auto-tool-choice"]) == 2
+    assert capsys.readouterr().err == ("jengine: error: --enable-auto-tool-choice needs --tool-call-parser (one of "
+                                       "hermes, llama3_json) to read the model's calls\n")
+    assert main(["serve", "jengine/tiny-llama", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"]) == 2
+    assert capsys.readouterr().err == ("jengine: error: --tool-call-parser 'mistral' is not known; choose one of "
+                                       "hermes, llama3_json\n")
