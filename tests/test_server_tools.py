@@ -157,7 +157,7 @@ def test_auto_reads_the_call_the_output_makes_streamed_or_whole(client):
     choice = whole.choices[0]
     [(name, text)] = _calls(choice.message.tool_calls)
     assert name == "get_weather" and choice.message.content == "Let me see. " and choice.finish_reason == "tool_calls"
-    assert re.fullmatch('{"city": "[a-z]{1,5}"}', text)
+    assert re.fullmatch(r'\{"city": "[a-z]{1,5}"\}', text)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert _streamed(chunks) == {0: {"content": "Let me see. ", "finish_reason": "tool_calls",
                                      "calls": [("get_weather", text)]}}
