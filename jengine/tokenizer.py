@@ -78,9 +78,10 @@ def byte_tokenizer():
 def render_chat(tokenizer, conversation: list[dict], *, add_generation_prompt: bool,
                 continue_final_message: bool = False, chat_template: str | None = None,
                 chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
-                documents: list[dict] | None = None) -> list[int]:
+                documents: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
     """The prompt token ids of one conversation rendered with `chat_template` (else the tokenizer's own),
-    `chat_template_kwargs` as extra template variables and `documents` (RAG) for templates that read them.
+    `chat_template_kwargs` as extra template variables, and `documents` (RAG) and `tools` (the functions the
+    model may call, OpenAI's tool dicts) for templates that read them.
     The template writes every special token it wants, so by default none are added in encoding
     (`add_special_tokens`, vLLM's, adds the tokenizer's on top). Options a caller can get wrong are
     ValueErrors naming them."""
@@ -103,13 +104,17 @@ def render_chat(tokenizer, conversation: list[dict], *, add_generation_prompt: b
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: jengine sets those "
                          "arguments of the rendering itself")
+    given = {name: value for name, value in (("documents", documents), ("tools", tools)) if value is not None}
+    both = sorted(set(given).intersection(kwargs))
+    if both:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, both))}: the request gives "
+                         f"{'it' if len(both) == 1 else 'them'} already")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("chat_template must be given: this model's tokenizer has no chat template")
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message,
-                                             chat_template=chat_template,
-                                             **({} if documents is None else {"documents": documents}), **kwargs)
+                                             chat_template=chat_template, **given, **kwargs)
     except Exception as e:  # a template that rejects the conversation (roles, order) or fails to compile
         raise ValueError(f"the chat template rejected the messages: {e}") from e
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -386,11 +386,11 @@ ERROR_CASES = [  # (name, route, body, status, the error body's param)
      "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs"),
     ("bad guided_regex", "/v1/completions", {"prompt": "x", "guided_regex": "[0-9"}, 400, "guided_regex"),
     ("empty guided_choice", "/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
-    ("tools without a parser", "/v1/chat/completions",
+    ("tools (tool_choice auto) without --enable-auto-tool-choice", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
-     400, "tools"),
-    ("required tool choice", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                      "tool_choice": "required"}, 400, "tool_choice"),
+     400, "tool_choice"),
+    ("required tool choice without tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                    "tool_choice": "required"}, 400, "tool_choice"),
     ("continue_final_message with the generation prompt", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400, "continue_final_message"),
     ("reserved chat_template_kwargs", "/v1/chat/completions",
@@ -465,6 +465,22 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine_from_both_endpoints(cl
                                           temperature=0, extra_body=extra)
     text = chat.choices[0].message.content
     assert len(text) == 12 and set(text) <= {"a", "c"}
+
+
+def test_tool_choice_auto_needs_a_server_started_with_enable_auto_tool_choice(client):
+    tools = [{"type": "function", "function": {"name": "f"}}]  # no parameters: it takes none
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                       tool_choice="auto", max_tokens=2)
+    err = e.value.body.get("error", e.value.body)
+    assert e.value.status_code == 400 and err["param"] == "tool_choice" and err["type"] == "BadRequestError"
+    assert err["message"].startswith('tool_choice "auto" (the default when tools are given) requires a server '
+                                     "started with --enable-auto-tool-choice and --tool-call-parser")
+    required = client.chat.completions.create(  # needs no parser: the output is constrained to calls
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="required", max_tokens=40,
+        parallel_tool_calls=False, extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    assert [(c.function.name, c.function.arguments) for c in required.choices[0].message.tool_calls] == [("f", "{}")]
+    assert required.choices[0].finish_reason == "tool_calls"
 
 
 def test_plain_text_format_and_tool_choice_none_are_served(client):

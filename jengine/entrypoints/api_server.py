@@ -31,6 +31,7 @@ from jengine.entrypoints.protocol import (
     EmbeddingRequest,
     TokenizeRequest,
 )
+from jengine.entrypoints.tool_calls import ToolCallingConfig
 from jengine.metrics import EngineMetrics
 
 
@@ -67,11 +68,12 @@ async def _unless_disconnected(raw: Request, coro):
 
 def build_app(llm: AsyncLLM, model_name: str, *, tokenizer=None, api_key: str | None = None,
               metrics: EngineMetrics | None = None, shutdown_engine: bool = True, chat_template: str | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, tool_calling: ToolCallingConfig | None = None) -> FastAPI:
     """The ASGI app; `tokenizer` is the API thread's own copy (the engine thread keeps its own). Chat
-    templates are applied here, never in the engine: `chat_template` is the server's default one."""
+    templates are applied here, never in the engine: `chat_template` is the server's default one.
+    `tool_calling`: the server's tool-call options (none: only required and named tool choices)."""
     serving = OpenAIServing(llm, model_name, tokenizer, chat_template=chat_template,
-                            trust_request_chat_template=trust_request_chat_template)
+                            trust_request_chat_template=trust_request_chat_template, tool_calling=tool_calling)
     max_model_len = llm.engine.config.max_model_len
     created = int(time.time())
 

@@ -17,6 +17,7 @@ from jengine.async_llm import AsyncLLM
 from jengine.entrypoints.errors import APIError
 from jengine.entrypoints.max_tokens import generation_ceiling, max_tokens_for
 from jengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, check_fits_engine
+from jengine.entrypoints.tool_calls import ToolCallingConfig
 from jengine.outputs import CompletionOutput, RequestOutput
 from jengine.prompts import truncated
 from jengine.sampling_params import RequestOutputKind, SamplingParams
@@ -98,12 +99,14 @@ class _Run:
 
 class OpenAIServing:
     """`chat_template`: the server's template for every chat request (`--chat-template`), else the
-    tokenizer's; a request's own is accepted only with `trust_request_chat_template`."""
+    tokenizer's; a request's own is accepted only with `trust_request_chat_template`. `tool_calling`: how
+    chat requests' tools are read (`jengine.entrypoints.tool_calls`)."""
 
     def __init__(self, llm: AsyncLLM, model_name: str, tokenizer, *, chat_template: str | None = None,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, tool_calling: ToolCallingConfig | None = None):
         self.llm, self.model_name, self.tokenizer = llm, model_name, tokenizer
         self.chat_template, self.trust_request_chat_template = chat_template, trust_request_chat_template
+        self.tool_calling = tool_calling or ToolCallingConfig()
         self.engine_config = llm.engine.config
         self.model_config = llm.engine.model_config
         self.sampling_defaults = llm.engine.sampling_defaults  # from the model's generation config
@@ -221,6 +224,8 @@ class OpenAIServing:
                     if c.finish_reason is not None:
                         finished.add(index)
                     chunk = make_chunk(index, out, c, delta, k0)
+                    if chunk is None:  # nothing to send yet (a tool-call parser holds the text back)
+                        continue
                     if continuous:
                         chunk["usage"] = _usage(len(out.prompt_token_ids), len(c.token_ids))
                     yield self._sse(chunk)
@@ -371,8 +376,9 @@ class OpenAIServing:
         return {"content": content}
 
     def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest, *, add_special_tokens: bool = False,
-                    documents: list[dict] | None = None) -> list[int]:
-        """The prompt ids of a chat request's messages (or /tokenize's), rendered with its template options."""
+                    documents: list[dict] | None = None, exclude_tools: bool = False) -> list[int]:
+        """The prompt ids of a chat request's messages (or /tokenize's), rendered with its template options
+        and its tools (unless `exclude_tools`)."""
         if req.chat_template is not None and not self.trust_request_chat_template:
             # a template is code the server runs: by default only its operator chooses it, as in vLLM
             raise ValueError("chat_template in a request is refused: the server was not started with "
@@ -384,12 +390,17 @@ class OpenAIServing:
         return render_chat(self.tokenizer, req.conversation(), add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message, chat_template=template,
                            chat_template_kwargs=req.template_kwargs(), add_special_tokens=add_special_tokens,
-                           documents=documents)
+                           documents=documents, tools=None if exclude_tools else req.tool_dicts())
 
     async def create_chat_completion(self, req: ChatCompletionRequest, header_id: str | None = None):
         self.check_model(req.model)
         params = self._params(req)
-        prompt = self.chat_prompt(req, add_special_tokens=req.add_special_tokens, documents=req.documents)
+        choice = req.resolved_tool_choice()
+        reading = self.tool_calling.reading(choice, req.parallel_tool_calls)  # None: the text is all content
+        if reading is not None and reading.keeps_special_tokens:
+            params = params.clone(skip_special_tokens=False)  # as vLLM: the call tags may be special tokens
+        prompt = self.chat_prompt(req, add_special_tokens=req.add_special_tokens, documents=req.documents,
+                                  exclude_tools=self.tool_calling.excludes_tools(choice))
         params = self._with_max_tokens(req, params, prompt)
         (rid, base_id), created = self._ids("chatcmpl", req, header_id), int(time.time())
         run = await self._start([(prompt, params)], base_id, self._priority(req))
@@ -410,9 +421,18 @@ class OpenAIServing:
                                                               "logprobs": None, "finish_reason": None}]})
                 return chunks
 
+            streams = {}  # choice index -> its StreamedToolCalls
+
             def chunk(index, out, c, delta, k0):
-                choice = {"index": index, "delta": {"content": delta} if delta else {},
-                          "logprobs": self._chat_logprobs(c, k0, top, ids), "finish_reason": c.finish_reason,
+                fields, finish_reason = ({"content": delta} if delta else {}), c.finish_reason
+                if reading is not None:
+                    stream = streams.setdefault(index, reading.stream())
+                    fields = stream.delta(delta, finished=finish_reason is not None)
+                    finish_reason = reading.finish_reason(stream.called, finish_reason)
+                logprobs = self._chat_logprobs(c, k0, top, ids)
+                if not fields and finish_reason is None and logprobs is None and not req.return_token_ids:
+                    return None
+                choice = {"index": index, "delta": fields, "logprobs": logprobs, "finish_reason": finish_reason,
                           "stop_reason": c.stop_reason}
                 if req.return_token_ids:
                     choice["token_ids"] = c.token_ids[k0:]
@@ -422,10 +442,18 @@ class OpenAIServing:
                                 usage_chunk=lambda usage: {**chunk_head, "choices": [], "usage": usage})
         finals = await self._final(run, 1)
         given = req.return_token_ids
-        choices = [{"index": c.index, "message": {"role": role, "content": echoed + c.text},
-                    "logprobs": self._chat_logprobs(c, 0, top, ids), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason, "token_ids": c.token_ids if given else None}
-                   for c in finals[0].outputs]
+        choices = []
+        for c in finals[0].outputs:
+            message, finish_reason = {"role": role, "content": echoed + c.text}, c.finish_reason
+            if reading is not None:
+                content, calls = reading.message(c.text)
+                message["content"] = echoed + (content or "") if echoed else content
+                if calls:
+                    message["tool_calls"] = calls
+                finish_reason = reading.finish_reason(bool(calls), finish_reason)
+            choices.append({"index": c.index, "message": message, "logprobs": self._chat_logprobs(c, 0, top, ids),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+                            "token_ids": c.token_ids if given else None})
         return {**head, "object": "chat.completion", "choices": choices, "usage": self._usage(finals),
                 "prompt_logprobs": self._prompt_logprobs(finals[0]),
                 "prompt_token_ids": finals[0].prompt_token_ids if given else None}

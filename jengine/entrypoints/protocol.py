@@ -7,13 +7,15 @@ no bad value reaches the engine thread.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jengine.entrypoints.tool_choice import ToolChoice, output_schema, resolve_tool_choice
 from jengine.sampler import check_bias_table, check_token_ids
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
-from jengine.structured_output import StructuredOutputsParams, grammar_text
+from jengine.structured_output import CONSTRAINTS, StructuredOutputsParams, grammar_text
 
 # OpenAI allows at most 5 logprobs for completions; vLLM accepts up to the sampler's width.
 MAX_COMPLETION_LOGPROBS = MAX_LOGPROBS
@@ -250,10 +252,39 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: Any = None  # OpenAI's: JSON text; a dict or list is taken as the parsed arguments
+
+
+class ToolCallParam(_Body):
+    """A call in an assistant message of the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_call(self) -> dict:
+        """The call as chat templates read it: its arguments parsed to a dict, as vLLM passes them (JSON
+        text that does not parse, or none, is `{}`)."""
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = {}
+        elif not isinstance(arguments, (dict, list)):
+            arguments = {}
+        call = {"type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+        return call if self.id is None else {"id": self.id, **call}
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a "tool" message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -261,6 +292,28 @@ class ChatMessage(_Body):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_message(self) -> dict:
+        """The message as the chat template gets it (vLLM's fields: no content is "")."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.role == "assistant" and self.tool_calls:
+            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
+        if self.role == "tool" and self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class _ChatTemplateOptions(_Body):
@@ -271,9 +324,22 @@ class _ChatTemplateOptions(_Body):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.template_message() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as the chat template gets them (vLLM's: every field, null where not given)."""
+        if self.tools is None:
+            return None
+        seen: dict[str, int] = {}
+        for i, tool in enumerate(self.tools):
+            j = seen.setdefault(tool.function.name, i)
+            if j != i:
+                raise ValueError(f"tools[{i}].function.name {tool.function.name!r} repeats tools[{j}]'s: function "
+                                 "names must be unique")
+        return [tool.model_dump() for tool in self.tools]
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The extra template variables."""
@@ -286,10 +352,10 @@ class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Tool calling needs a tool-call parser, which jengine does not have. As vLLM does without one, tools
-    # are refused unless tool_choice is "none" (then they are ignored).
-    tools: list[dict] | None = None
+    # "none", "auto", "required" or a named function (`jengine.entrypoints.tool_choice`); the output's calls
+    # are read by `jengine.entrypoints.tool_calls`. parallel_tool_calls false keeps the first call only.
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     # vLLM's extras: echo prepends the last message when the reply continues its role; special tokens on
     # top of the template's; documents for templates that take them (RAG)
     echo: bool = False
@@ -312,13 +378,36 @@ class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
         """vLLM's: the assistant's turn after a generation prompt, else the last message's role continued."""
         return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
+    def resolved_tool_choice(self) -> ToolChoice:
+        return resolve_tool_choice(self.tool_dicts(), self.tool_choice)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """As vLLM: tool_choice "required" or a named function constrains the output to calls (the options
+        of structured_outputs, such as disable_any_whitespace, still apply); no other constraint may come
+        with it."""
+        choice = self.resolved_tool_choice()
+        if not choice.constrained:
+            return super()._structured_outputs()
+        legacy = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
+        if ((self.response_format is not None and self.response_format.type != "text")
+                or any(v is not None for v in legacy) or set(self.structured_outputs or {}) & set(CONSTRAINTS)):
+            what = "'required'" if choice.mode == "required" else "naming a function"
+            raise ValueError(f"tool_choice {what} constrains the output to tool calls; it cannot be combined with "
+                             "response_format, a structured_outputs constraint or guided_*")
+        schema = output_schema(self.tool_dicts(), choice, self.parallel_tool_calls)
+        try:
+            params = StructuredOutputsParams.of({**(self.structured_outputs or {}), "json": schema})
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
+        try:
+            grammar_text(params)
+        except ValueError as e:
+            raise ValueError(f"tools: the function parameters cannot constrain the output: {e}") from None
+        return params
+
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         """`defaults`: as `sampling_params` takes them (max_tokens where the request gives neither
         max_tokens nor max_completion_tokens)."""
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tools are not supported (no tool-call parser); send tool_choice 'none' or no tools")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError(f"tool_choice {self.tool_choice!r} is not supported (no tool-call parser); only 'none'")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs=true")

@@ -22,6 +22,8 @@ import signal
 import sys
 import threading
 
+from jengine.entrypoints.tool_calls import ToolCallingConfig
+from jengine.entrypoints.tool_parsers import TOOL_PARSERS
 from jengine.presets import DEFAULT_MODEL
 
 
@@ -72,6 +74,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    "tokenizer's)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template sent in a request (a template is code the server runs)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="read the model's tool calls where tool_choice is 'auto' (the default when a request has "
+                   "tools); needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help=f"how tool calls are read from the model's output: {' | '.join(TOOL_PARSERS)}")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="leave a request's tools out of the chat template when its tool_choice is 'none'")
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine on a thread of the server's process, not in a process of its own "
                    "(always so with --num-processes > 1)")
@@ -86,6 +95,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def run_server(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    tool_calling = ToolCallingConfig(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                     tool_call_parser=args.tool_call_parser,
+                                     exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
     from jengine import distributed
     from jengine.cli import multihost_settings
 
@@ -133,7 +145,8 @@ def run_server(args: argparse.Namespace) -> int:
         metrics = EngineMetrics(name)
         llm = AsyncLLM.from_engine(engine, stat_logger=metrics.record, on_abort=lambda _: metrics.record_aborted())
         app = build_app(llm, name, tokenizer=load_tokenizer(args.model), api_key=api_key, metrics=metrics,
-                        chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template)
+                        chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                        tool_calling=tool_calling)
         log.info("serving %s as %r on http://%s:%d (%d replica(s) x %d device(s)%s; %d buckets compiled in %.1fs, "
                  "%d embedding lengths)", args.model, name, args.host, args.port, args.data_parallel_size,
                  args.tensor_parallel_size, f", {multihost[1]} processes" if multi_process else "",
