@@ -82,6 +82,9 @@ def test_streamed_choices_equal_the_non_streamed_ones_with_n_echo_logprobs_and_s
     texts, tokens, finish = {}, {}, {}
     for chunk in client.completions.create(stream=True, **kw):
         for c in chunk.choices:
+            if c.logprobs and c.logprobs.tokens:  # offsets go on from the text streamed so far, as in vLLM
+                assert c.logprobs.text_offset[0] == len(texts.get(c.index, ""))
+                assert c.logprobs.text_offset == sorted(c.logprobs.text_offset)
             texts[c.index] = texts.get(c.index, "") + c.text
             tokens[c.index] = tokens.get(c.index, []) + (c.logprobs.tokens if c.logprobs else [])
             finish[c.index] = c.finish_reason or finish.get(c.index)

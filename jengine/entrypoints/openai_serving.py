@@ -272,15 +272,16 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, start: int,
-                         as_ids: bool) -> dict | None:
+                         as_ids: bool, text_offset: int = 0) -> dict | None:
         """Completion logprobs from token `start`, preceded by the prompt's when echo asked for them (and
-        only those when echo came with max_tokens 0)."""
+        only those when echo came with max_tokens 0). `text_offset`: where the choice's text sent so far ends
+        (a stream's later chunks), which the tokens' offsets count from, as in vLLM."""
         if c.logprobs is None:  # prompt_logprobs alone do not make echo return logprobs
             return None
         if req.echo_only and start > 0:
             return None
         if not req.echo or out.prompt_logprobs is None or start > 0:
-            return self._completion_logprobs(c, start, 0, as_ids)
+            return self._completion_logprobs(c, start, text_offset, as_ids)
         head = self._echo_logprobs(out, as_ids)
         tail = None if req.echo_only else self._completion_logprobs(c, 0, sum(len(t) for t in head["tokens"]), as_ids)
         return {key: head[key] + (tail[key] if tail else []) for key in head}
@@ -326,12 +327,17 @@ class OpenAIServing:
         ids = req.return_tokens_as_token_ids
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         if req.stream:
+            sent = {}  # choice index -> length of the text streamed so far (its logprobs' text offsets go on)
+
             def chunk(index, out, c, delta, k0):
                 if req.echo_only:
                     delta = ""
                 if req.echo and k0 == 0 and not req.return_token_ids:  # vLLM echoes ids, not text, then
                     delta = self._prompt_text(out) + delta
-                choice = {"index": index, "text": delta, "logprobs": self._choice_logprobs(req, out, c, k0, ids),
+                offset = sent.get(index, 0)
+                sent[index] = offset + len(delta)
+                choice = {"index": index, "text": delta,
+                          "logprobs": self._choice_logprobs(req, out, c, k0, ids, offset),
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.return_token_ids:
                     choice["token_ids"] = c.token_ids[k0:]
