@@ -11,6 +11,7 @@ import base64
 import contextlib
 import secrets
 import time
+import uuid
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -52,6 +53,28 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class RequestIdHeaderMiddleware:
+    """vLLM's `--enable-request-id-headers`: every HTTP response carries an X-Request-Id header, the request's
+    own or a new random one (hex)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", given)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 async def _unless_disconnected(raw: Request, coro):
     """Await `coro`, cancelling it (and so aborting its requests) if the client goes away first."""
     task = asyncio.ensure_future(coro)
@@ -68,10 +91,12 @@ async def _unless_disconnected(raw: Request, coro):
 
 def build_app(llm: AsyncLLM, model_name: str, *, tokenizer=None, api_key: str | None = None,
               metrics: EngineMetrics | None = None, shutdown_engine: bool = True, chat_template: str | None = None,
-              trust_request_chat_template: bool = False, tool_calling: ToolCallingConfig | None = None) -> FastAPI:
+              trust_request_chat_template: bool = False, tool_calling: ToolCallingConfig | None = None,
+              request_id_headers: bool = False) -> FastAPI:
     """The ASGI app; `tokenizer` is the API thread's own copy (the engine thread keeps its own). Chat
     templates are applied here, never in the engine: `chat_template` is the server's default one.
-    `tool_calling`: the server's tool-call options (none: only required and named tool choices)."""
+    `tool_calling`: the server's tool-call options (none: only required and named tool choices).
+    `request_id_headers`: every response carries an X-Request-Id header (`RequestIdHeaderMiddleware`)."""
     serving = OpenAIServing(llm, model_name, tokenizer, chat_template=chat_template,
                             trust_request_chat_template=trust_request_chat_template, tool_calling=tool_calling)
     max_model_len = llm.engine.config.max_model_len
@@ -189,4 +214,6 @@ def build_app(llm: AsyncLLM, model_name: str, *, tokenizer=None, api_key: str | 
 
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if request_id_headers:  # added last: outermost, so refusals of the key get the header too
+        app.add_middleware(RequestIdHeaderMiddleware)
     return app

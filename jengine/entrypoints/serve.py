@@ -81,6 +81,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"how tool calls are read from the model's output: {' | '.join(TOOL_PARSERS)}")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="leave a request's tools out of the chat template when its tool_choice is 'none'")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries an X-Request-Id header: the request's, else a new random one")
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine on a thread of the server's process, not in a process of its own "
                    "(always so with --num-processes > 1)")
@@ -146,7 +148,7 @@ def run_server(args: argparse.Namespace) -> int:
         llm = AsyncLLM.from_engine(engine, stat_logger=metrics.record, on_abort=lambda _: metrics.record_aborted())
         app = build_app(llm, name, tokenizer=load_tokenizer(args.model), api_key=api_key, metrics=metrics,
                         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
-                        tool_calling=tool_calling)
+                        tool_calling=tool_calling, request_id_headers=args.enable_request_id_headers)
         log.info("serving %s as %r on http://%s:%d (%d replica(s) x %d device(s)%s; %d buckets compiled in %.1fs, "
                  "%d embedding lengths)", args.model, name, args.host, args.port, args.data_parallel_size,
                  args.tensor_parallel_size, f", {multihost[1]} processes" if multi_process else "",
