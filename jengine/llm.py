@@ -86,11 +86,15 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"}) or a list of them.
 
         `continue_final_message`: leave the final message open for the model to continue (with
-        add_generation_prompt=False); `chat_template_kwargs`: extra variables for the template."""
+        add_generation_prompt=False); `chat_template_kwargs`: extra variables for the template; `tools`:
+        OpenAI's tool dicts (`{"type": "function", "function": {"name", "description", "parameters"}}`), which
+        the template renders for the model (its replies are returned as text: parse tool calls with
+        `jengine.entrypoints.tool_parsers`). An assistant message of the history may hold `tool_calls` with
+        no content."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
@@ -98,17 +102,19 @@ class LLM:
             raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
                              f"list of conversations, got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tool_dicts = _checked_tools(tools)
         prompts = []
         for conv in conversations:
             if not isinstance(conv, (list, tuple)) or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), (str, list)) for m in conv):
+                    and (isinstance(m.get("content"), (str, list)) or m.get("content") is None and m.get("tool_calls"))
+                    for m in conv):
                 raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts (role a string, "
-                                 "content a string or a list of parts)")
+                                 "content a string or a list of parts, or None in a message with tool_calls)")
             prompts.append({"prompt_token_ids": render_chat(
-                tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                tokenizer, _template_messages(conv), add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
-                chat_template_kwargs=chat_template_kwargs)})
+                chat_template_kwargs=chat_template_kwargs, tools=tool_dicts)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -140,3 +146,50 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in ids]
+
+
+def _template_messages(conversation) -> list[dict]:
+    """The messages as the chat template gets them: an assistant's tool_calls checked and their arguments parsed
+    to dicts, as the server passes them (JSON text that does not parse is `{}`)."""
+    if not any(m.get("tool_calls") for m in conversation):
+        return list(conversation)
+    from pydantic import ValidationError
+
+    from jengine.entrypoints.protocol import ToolCallParam
+
+    messages = []
+    for i, m in enumerate(conversation):
+        if m.get("tool_calls"):
+            try:
+                calls = [ToolCallParam.model_validate(c).template_call() for c in m["tool_calls"]]
+            except ValidationError as e:
+                raise ValueError(f"messages[{i}].tool_calls: {_first_error(e)}") from None
+            m = {**m, "content": m.get("content") or "", "tool_calls": calls}
+        messages.append(m)
+    return messages
+
+
+def _first_error(e) -> str:
+    error = e.errors()[0]
+    where = ".".join(str(p) for p in error["loc"])
+    return f"{where}: {error['msg']}" if where else error["msg"]
+
+
+def _checked_tools(tools) -> list[dict] | None:
+    """`LLM.chat`'s tools as the template gets them, checked as the server checks a request's: a ValueError
+    names the tool and field that are wrong."""
+    if tools is None:
+        return None
+    from pydantic import ValidationError
+
+    from jengine.entrypoints.protocol import Tool, template_tools
+
+    if not isinstance(tools, (list, tuple)):
+        raise ValueError(f"tools must be a list of tool dicts, got {type(tools).__name__}")
+    parsed = []
+    for i, tool in enumerate(tools):
+        try:
+            parsed.append(Tool.model_validate(tool))
+        except ValidationError as e:
+            raise ValueError(f"tools[{i}]: {_first_error(e)}") from None
+    return template_tools(parsed)

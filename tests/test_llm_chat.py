@@ -75,3 +75,39 @@ def test_chat_template_kwargs_are_variables_of_the_template(llm):
     plain = llm.chat(HELLO, GREEDY, use_tqdm=False)[0].prompt_token_ids
     assert llm.chat(HELLO, GREEDY, use_tqdm=False,
                     chat_template_kwargs={"enable_thinking": False})[0].prompt_token_ids == plain
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": CITY}}
+TOOLS_TEMPLATE = ("{% for t in tools or [] %}TOOL {{ t['function']['name'] }}: {{ t['function']['description'] }};"
+                  "{% endfor %}{% for m in messages %}[{{ m['role'] }}]{% for c in m['tool_calls'] or [] %}"
+                  "CALL {{ c['function']['name'] }}({{ c['function']['arguments']['city'] }}){% endfor %}"
+                  "{{ m['content'] }}{% endfor %}")
+
+
+def test_tools_and_tool_call_history_reach_the_template(llm):
+    tok = llm.engine.tokenizer
+    conv = [*HELLO, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"}]
+    out = llm.chat(conv, GREEDY, use_tqdm=False, chat_template=TOOLS_TEMPLATE, tools=[WEATHER],
+                   add_generation_prompt=False)[0]
+    assert tok.decode(out.prompt_token_ids) == ("TOOL get_weather: Weather now;[user]hi[assistant]"
+                                                "CALL get_weather(Oslo)[tool]cold")
+    plain = llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template=TOOLS_TEMPLATE)[0]
+    assert tok.decode(plain.prompt_token_ids) == "[user]hi"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tools": {"type": "function"}}, "tools must be a list of tool dicts, got dict"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, r"tools\[0\]: function.name: String should"),
+    ({"tools": [{"type": "function"}]}, r"tools\[0\]: function: Field required"),
+    ({"tools": [WEATHER, WEATHER]}, r"tools\[1\].function.name 'get_weather' repeats tools\[0\]'s"),
+    ({"tools": [WEATHER], "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs may not set 'tools'"),
+])
+def test_bad_tools_are_value_errors(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template=TOOLS_TEMPLATE, **kwargs)
+    bad_call = [*HELLO, {"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}]
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls: function: Field required"):
+        llm.chat(bad_call, GREEDY, use_tqdm=False, chat_template=TOOLS_TEMPLATE)

@@ -316,6 +316,20 @@ class Tool(_Body):
     function: FunctionDefinition
 
 
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """Tools as a chat template gets them (vLLM's: every field, null where not given); a ValueError where two
+    functions share a name."""
+    if tools is None:
+        return None
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        j = seen.setdefault(tool.function.name, i)
+        if j != i:
+            raise ValueError(f"tools[{i}].function.name {tool.function.name!r} repeats tools[{j}]'s: function "
+                             "names must be unique")
+    return [tool.model_dump() for tool in tools]
+
+
 class _ChatTemplateOptions(_Body):
     """How a conversation is rendered (vLLM's names); `OpenAIServing.chat_prompt` reads them. A request's own
     chat_template is refused unless the server trusts request templates."""
@@ -330,16 +344,8 @@ class _ChatTemplateOptions(_Body):
         return [m.template_message() for m in self.messages]
 
     def tool_dicts(self) -> list[dict] | None:
-        """The tools as the chat template gets them (vLLM's: every field, null where not given)."""
-        if self.tools is None:
-            return None
-        seen: dict[str, int] = {}
-        for i, tool in enumerate(self.tools):
-            j = seen.setdefault(tool.function.name, i)
-            if j != i:
-                raise ValueError(f"tools[{i}].function.name {tool.function.name!r} repeats tools[{j}]'s: function "
-                                 "names must be unique")
-        return [tool.model_dump() for tool in self.tools]
+        """The tools as the chat template gets them (`template_tools`)."""
+        return template_tools(self.tools)
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The extra template variables."""
