@@ -187,6 +187,19 @@ class _Reader:
         self.failed = False  # the text broke the format somewhere
         self.content = _Content()
 
+    def feed(self, text: str) -> ParsedDelta:
+        """What `text`, the output's next piece, adds: content and call pieces (text that may be the start of a
+        call is held back)."""
+        self.pending += text
+        out = ParsedDelta()
+        while self._step(out):
+            pass
+        return out
+
+    def _step(self, out: ParsedDelta) -> bool:
+        """Read some pending text into `out`; False when more text is needed."""
+        raise NotImplementedError
+
     def _read_call(self, out: ParsedDelta) -> bool:
         """Feed the pending text to the open call; True when the call is whole."""
         used, news = self.call.feed(self.pending)
@@ -215,13 +228,6 @@ class HermesToolParser(_Reader):
         super().__init__()
         self.state = "text"
         self.block = ""  # the open block's text so far, given back as content if it breaks early
-
-    def feed(self, text: str) -> ParsedDelta:
-        self.pending += text
-        out = ParsedDelta()
-        while self._step(out):
-            pass
-        return out
 
     def _step(self, out: ParsedDelta) -> bool:
         """Read some pending text; False when more text is needed."""
@@ -299,13 +305,6 @@ class Llama3JsonToolParser(_Reader):
         super().__init__()
         self.state = "start"
         self.read = ""  # everything read as calls, given back as content if they break early
-
-    def feed(self, text: str) -> ParsedDelta:
-        self.pending += text
-        out = ParsedDelta()
-        while self._step(out):
-            pass
-        return out
 
     def _step(self, out: ParsedDelta) -> bool:
         if self.state == "text":
