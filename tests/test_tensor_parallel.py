@@ -134,7 +134,9 @@ def _logits_shape(runner) -> list[int]:
 def report(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("tp"))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, out_dir], capture_output=True, text=True, timeout=300, env=env)
+    # 11 engines' warm-ups on 2 CPU cores: over 300 s on a loaded or slow machine (seen: session 36's dev
+    # machine), inside pytest's 600 s per test
+    proc = subprocess.run([sys.executable, __file__, out_dir], capture_output=True, text=True, timeout=560, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
