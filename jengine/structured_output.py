@@ -284,8 +284,9 @@ class GuidedRequests:
     matcher of every unfinished guided sequence by its (scheduler) request id.
 
     The matchers take each step's tokens, and the next step's bitmask is filled, on one worker thread
-    (`advance_many`), while the engine thread applies the rest of the step's results: llguidance runs both on
-    its own pool without Python's lock. Only that thread touches the matchers in between."""
+    (`advance_many`), while the engine thread applies the rest of the step's results. llguidance runs both on
+    its own pool; filling ran beside a busy Python thread without holding Python's lock (dev CPU), advancing was
+    not checked for that. Only the worker touches the matchers in between."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids=()):
         self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
