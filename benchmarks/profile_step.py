@@ -27,8 +27,8 @@ from common import H200_COPY_BW, non_negative_int, positive_float, positive_int,
 from jengine.buckets import seq_bucket
 from jengine.engine import LLMEngine
 from jengine.engine_config import KV_CACHE_DTYPES, PAGE_SIZES, EngineConfig
-from jengine.sampler import build_sampling_tensors
 from jengine.sampling_params import SamplingParams
+from jengine.sampling_tables import build_sampling_tensors
 from jengine.step_input import build_step_input
 
 CATEGORIES = (  # first match wins

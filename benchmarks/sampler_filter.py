@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from common import bench, positive_float, positive_int, print_table, save_results
 
-from jengine.sampler import SMALL_TOP_K, WIDE_TOP_K, _apply_top_k_top_p
+from jengine.sampler import _apply_top_k_top_p
+from jengine.sampling_tables import SMALL_TOP_K, WIDE_TOP_K
 
 # (name, largest k drawn, the filter's static switches)
 VARIANTS = (

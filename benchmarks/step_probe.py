@@ -16,8 +16,8 @@ from common import non_negative_int, positive_float, positive_int
 
 from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
-from jengine.sampler import build_sampling_tensors
 from jengine.sampling_params import SamplingParams
+from jengine.sampling_tables import build_sampling_tensors
 from jengine.step_input import build_step_input
 
 

@@ -30,7 +30,8 @@ from jengine.penalty_window import PenaltyWindow
 from jengine.prompts import tokenize_prompt, truncated
 from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, to_host
-from jengine.sampler import (
+from jengine.sampling_params import RequestOutputKind, SamplingParams
+from jengine.sampling_tables import (
     DEFAULT_PENALTY_WINDOW,
     BiasRow,
     SamplingRow,
@@ -39,7 +40,6 @@ from jengine.sampler import (
     check_bias_table,
     check_token_ids,
 )
-from jengine.sampling_params import RequestOutputKind, SamplingParams
 from jengine.scheduler import Scheduler, SchedulerOutput
 from jengine.sharding import log_memory, make_mesh, sharded_model_config
 from jengine.step_input import build_step_input

@@ -25,15 +25,14 @@ from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
 from jengine.executable_cache import stores_loaded_executables
 from jengine.models import get_model_family
-from jengine.sampler import (
+from jengine.sampler import compute_logprobs, sample
+from jengine.sampling_tables import (
     SMALL_TOP_K,
     WIDE_TOP_K,
     SamplerSwitches,
     build_sampling_tensors,
-    compute_logprobs,
     guided_switches,
     program_inputs,
-    sample,
     sampler_switches,
 )
 from jengine.step_input import StepInput, build_step_input, pack, unpack

@@ -1,7 +1,7 @@
 """Per-request sampling options, with vLLM's `SamplingParams` names, defaults and meaning.
 
 Host side, plain Python (no jax): the scheduler reads `n`, `max_tokens`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`; `jengine.sampler.build_sampling_tensors` turns the rest into fixed-shape device
+`stop_token_ids`; `jengine.sampling_tables.build_sampling_tensors` turns the rest into fixed-shape device
 arrays; `jengine.detokenizer` uses the stop strings and the text options.
 
 Every value a user can get wrong is checked here, at the edge, with a message naming the field and

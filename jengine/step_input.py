@@ -12,7 +12,7 @@ import numpy as np
 
 from jengine.models import ModelInput
 from jengine.request import PLACEHOLDER
-from jengine.sampler import SamplingTensors
+from jengine.sampling_tables import SamplingTensors
 
 
 @jax.tree_util.register_dataclass

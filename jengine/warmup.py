@@ -25,7 +25,7 @@ from jengine.executable_cache import ExecutableCache, describe, reload, source_d
 from jengine.generate import hidden_states_program
 from jengine.models import get_model_family
 from jengine.runner import SAMPLER_VARIANTS, ModelRunner, forward_compiler_options
-from jengine.sampler import SamplerSwitches, build_sampling_tensors, program_inputs
+from jengine.sampling_tables import SamplerSwitches, build_sampling_tensors, program_inputs
 from jengine.step_input import pack
 
 logger = logging.getLogger(__name__)

@@ -7,17 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.sampler import (
+from jengine.sampler import compute_logprobs, process_logits, sample
+from jengine.sampling_params import SamplingParams as P
+from jengine.sampling_tables import (
     SamplerSwitches,
     SamplingRow,
     bias_row,
     build_sampling_tensors,
-    compute_logprobs,
-    process_logits,
-    sample,
     sampler_switches,
 )
-from jengine.sampling_params import SamplingParams as P
 from jengine.selection import TOP_N_CHUNK, kth_largest_key, largest_key, ordered_keys, top_n
 
 V = 16
@@ -135,7 +133,8 @@ def test_the_small_k_select_keeps_what_the_radix_select_keeps(kind):
     """`k_bound=SMALL_TOP_K` (every row's k <= SMALL_TOP_K) finds the k-th largest key from the chunks that
     can hold it: the same masks as the 16-pass radix select, on ties and -inf too, with and without the
     chunks."""
-    from jengine.sampler import SMALL_TOP_K, _apply_top_k_top_p
+    from jengine.sampler import _apply_top_k_top_p
+    from jengine.sampling_tables import SMALL_TOP_K
 
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 9000)).astype(np.float32)  # 71 chunks of 128 (< 2 * 64): 16 below
@@ -308,8 +307,8 @@ def test_greedy_and_random_draws_land_only_in_the_allowed_set():
 
 
 def test_requests_that_could_overflow_the_bias_table_are_value_errors_naming_the_field():
-    from jengine.sampler import DEFAULT_MAX_BIAS_ENTRIES as B
-    from jengine.sampler import check_bias_table
+    from jengine.sampling_tables import DEFAULT_MAX_BIAS_ENTRIES as B
+    from jengine.sampling_tables import check_bias_table
 
     check_bias_table(P(allowed_token_ids=list(range(B)), logit_bias={i: 1.0 for i in range(B, B + 300)}))
     with pytest.raises(ValueError, match=f"^allowed_token_ids may name at most {B} tokens, got {B + 1}"):
@@ -483,7 +482,7 @@ def test_greedy_rows_with_logit_bias_or_penalties_follow_them_in_the_general_pro
 
 
 def test_program_inputs_leave_out_the_bias_and_penalty_tables_only_where_no_program_reads_them():
-    from jengine.sampler import SamplerSwitches, program_inputs
+    from jengine.sampling_tables import SamplerSwitches, program_inputs
 
     t = build_sampling_tensors([SamplingRow(P(temperature=0.0), [1, 2], [3])], 4, 32)
     general = program_inputs(t, SamplerSwitches(filter_k=False, filter_p=False, random=True, top_logprobs=False))

@@ -9,17 +9,16 @@ import numpy as np
 import pytest
 
 from jengine.runner import SAMPLER_VARIANTS
-from jengine.sampler import (
+from jengine.sampler import process_logits, sample
+from jengine.sampling_params import SamplingParams as P
+from jengine.sampling_tables import (
     SamplerSwitches,
     SamplingRow,
     build_sampling_tensors,
     guided_switches,
-    process_logits,
     program_inputs,
-    sample,
     sampler_switches,
 )
-from jengine.sampling_params import SamplingParams as P
 
 V = 70  # three words per row, the last one partly past the vocabulary
 WORDS = 3

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jengine.entrypoints.tool_choice import ToolChoice, output_schema, resolve_tool_choice
-from jengine.sampler import check_bias_table, check_token_ids
 from jengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jengine.sampling_tables import check_bias_table, check_token_ids
 from jengine.structured_output import CONSTRAINTS, StructuredOutputsParams, grammar_text
 
 # OpenAI allows at most 5 logprobs for completions; vLLM accepts up to the sampler's width.
