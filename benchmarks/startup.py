@@ -86,6 +86,7 @@ def child(args) -> None:
                               "engine_phases": llm.engine.startup_phases,
                               "lowering_s": llm.engine.builder.warmup_lowering_seconds,
                               "first_runs_s": llm.engine.builder.warmup_first_runs_seconds,
+                              "helpers_started": llm.engine.builder.build_helpers_started,
                               "helpers": llm.engine.builder.build_helpers_finished,
                               "helpers_wait_s": llm.engine.builder.build_helpers_wait_seconds,
                               "kv_cache_memory": llm.engine.kv_cache_memory,
@@ -147,8 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows:
         phases = " / ".join(f"{row[f'{n}_s']:.1f}" for n in ("entry", "imports", "backend", "engine", "request"))
         inner = ", ".join(f"{k} {v:.1f}" for k, v in row["engine_phases"].items())
-        helpers = (f"; {row['helpers']} build helpers, waited for {row['helpers_wait_s']:.1f} after its own share"
-                   if row.get("helpers") else "")
+        helpers = (f"; {row['helpers']} of {row.get('helpers_started', row['helpers'])} build helpers finished, "
+                   f"waited for {row['helpers_wait_s']:.1f} after its own share" if row.get("helpers_started") else "")
         print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f}{helpers}, "
               f"every program's first run {row['first_runs_s']:.1f})")
     return save_results(args, rows)

@@ -10,6 +10,12 @@ share meanwhile, then loads what the helpers stored; a program a helper did not 
 out, or keyed it differently) is built by the engine as usual, so helpers can only save time, never
 change what runs.
 
+Each helper has its own GPU client, and XLA's autotuner runs every GEMM it compiles on the device, so a
+helper needs device memory outside the engine's allocator (which preallocates 92% of the GPU). On an
+H100 (80 GB, ~6 GiB left) the 8B start-up's helpers peaked at 2.2 GiB each with two of them and 3.1 GiB
+alone; with three, one ran out of memory, the engine built its share itself, and the cold start took
+67 s against 61 s with two (RESULTS.md, session 37). So `memory_room` bounds their number too.
+
 Helpers are plain `python -m jengine.build_helpers` processes (not multiprocessing), so a user's script
 needs no `__main__` guard for them. They start only on GPUs (a TPU host's chips belong to one process,
 and on the CPU they would take the cores the compile pool needs), on one device (no mesh), with the
@@ -30,19 +36,43 @@ import time
 
 import jax
 
+from jengine import kv_cache
+
 logger = logging.getLogger(__name__)
 
 MAX_HELPERS = 3
 MIN_PROGRAMS_EACH = 3  # a helper's start (imports, its device client; not timed alone) must buy at least this many
 CORES_PER_HELPER = 4  # each helper's XLA compiles, beside the main process's pool
 TIMEOUT_S = 900.0
+# A helper's device memory beyond twice the largest weight (the autotuner's operands): its CUDA context, the
+# cuBLAS workspaces and the activations of the largest bucket. 8B on an H100: 0.5 + 2 x 0.98 = 2.46 GiB
+# against 2.2 seen per helper with two.
+HELPER_BASE_BYTES = 1 << 29
+ENGINE_OVERHEAD_BYTES = 1 << 30  # the engine's own use outside its allocator's pool (0.7 GiB on that H100)
 
 
-def helper_count(missing: int, cpus: int, platform: str, single_device: bool) -> int:
-    """How many helpers warm-up starts for `missing` programs (it builds a share itself)."""
+def helper_count(missing: int, cpus: int, platform: str, single_device: bool, room: int | None = None) -> int:
+    """How many helpers warm-up starts for `missing` programs (it builds a share itself); `room`: how many the
+    device's memory holds (`memory_room`; None: no bound)."""
     if platform != "gpu" or not single_device:
         return 0
-    return max(0, min(MAX_HELPERS, cpus // CORES_PER_HELPER, missing // MIN_PROGRAMS_EACH - 1))
+    bound = MAX_HELPERS if room is None else min(MAX_HELPERS, room)
+    return max(0, min(bound, cpus // CORES_PER_HELPER, missing // MIN_PROGRAMS_EACH - 1))
+
+
+def memory_room(params, device=None) -> int | None:
+    """How many helpers fit in the device memory the engine's allocator leaves: the driver's total less the
+    allocator's limit and the engine's own overhead, over one helper's need (`HELPER_BASE_BYTES` and twice
+    the largest of `params`). None where the device does not say (no allocator limit: XLA's VMM allocator,
+    which takes memory as it goes)."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    total = kv_cache.cuda_total_memory(device) if getattr(device, "platform", None) == "gpu" else None
+    if not stats or "bytes_limit" not in stats or total is None:
+        return None
+    largest = max((x.size * x.dtype.itemsize for x in jax.tree.leaves(params) if hasattr(x, "dtype")), default=0)
+    room = total - int(stats["bytes_limit"]) - ENGINE_OVERHEAD_BYTES
+    return max(0, room // (HELPER_BASE_BYTES + 2 * largest))
 
 
 def shares(items: list, helpers: int) -> list[list]:
@@ -75,7 +105,9 @@ def start(builder, buckets: list[tuple[int, int]], forwards: list[tuple], embedd
         jobs = (("hidden_states", n) for n in embedding_lengths)
         missing += [(job, None) for job in jobs if not cache.contains(builder.job_build(job)[1])]
     if helpers is None:
-        helpers = helper_count(len(missing), os.cpu_count() or 1, jax.default_backend(), builder.runner.mesh is None)
+        single = builder.runner.mesh is None
+        room = memory_room(builder.runner.params) if single and jax.default_backend() == "gpu" else None
+        helpers = helper_count(len(missing), os.cpu_count() or 1, jax.default_backend(), single, room)
     theirs = [share for share in shares(missing, helpers)[1:] if share]
     if not theirs:
         return None, forwards, []
@@ -107,6 +139,10 @@ class Helpers:
                                      encode_jobs(jobs)],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
             self._procs.append((proc, log, jobs))
+
+    @property
+    def count(self) -> int:
+        return len(self._procs)
 
     def wait(self, timeout: float = TIMEOUT_S) -> int:
         """Wait for every helper (those past `timeout` are killed); returns how many finished cleanly.

@@ -50,7 +50,8 @@ class ProgramBuilder:
         self._key_context = None  # (params described, closure) of every program's cache key, made once (`_key`)
         self.warmup_lowering_seconds = 0.0  # warm-up's time tracing and lowering (one thread), for reports
         self.warmup_first_runs_seconds = 0.0  # warm-up's time running every program once, for reports
-        self.build_helpers_finished = 0  # build helper processes that finished cleanly at warm-up
+        self.build_helpers_started = 0  # build helper processes warm-up started
+        self.build_helpers_finished = 0  # of those, how many finished cleanly
         self.build_helpers_wait_seconds = 0.0  # how long warm-up waited for them after its own share
 
     def _key(self, program: str, args: tuple, statics: tuple = (), compiler_options: dict | None = None
@@ -193,6 +194,7 @@ class ProgramBuilder:
                 raise
             self.warmup_lowering_seconds = time.perf_counter() - started
             if handle is not None:  # then load what the helpers stored (and build what they did not)
+                self.build_helpers_started = handle.count
                 self.build_helpers_finished = handle.wait()
                 self.build_helpers_wait_seconds = time.perf_counter() - started - self.warmup_lowering_seconds
                 builds += self._start_builds(later, pool, twinned)

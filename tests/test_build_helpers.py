@@ -27,6 +27,40 @@ def test_helper_count(missing, cpus, platform, single, expected):
     assert build_helpers.helper_count(missing, cpus, platform, single) == expected
 
 
+@pytest.mark.parametrize("room,expected", [(None, 3), (5, 3), (2, 2), (1, 1), (0, 0)])
+def test_helper_count_within_the_memory_room(room, expected):
+    assert build_helpers.helper_count(18, 16, "gpu", True, room) == expected
+
+
+class _FakeGpu:
+    platform = "gpu"
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+@pytest.mark.parametrize("total_gib,expected", [(79.65, 2), (140.4, 4), (40.0, 0)])
+def test_memory_room_counts_helpers_that_fit_beside_the_engines_allocator(monkeypatch, total_gib, expected):
+    """The 8B shape's largest weight (the LM head, 0.98 GiB) on an 80 GB H100, a 141 GB H200 and a 40 GB A100,
+    the engine's allocator holding 92% of each (two helpers are what ran best on the H100; `helper_count` caps the
+    H200's four at MAX_HELPERS)."""
+    import jax
+    import numpy as np
+
+    from jengine import kv_cache
+
+    total = int(total_gib * 2**30)
+    monkeypatch.setattr(kv_cache, "cuda_total_memory", lambda device: total)
+    params = {"lm_head": jax.ShapeDtypeStruct((128256, 4096), np.dtype("bfloat16")),
+              "norm": jax.ShapeDtypeStruct((4096,), np.dtype("bfloat16"))}
+    gpu = _FakeGpu({"bytes_limit": int(0.92 * total), "bytes_in_use": 0})
+    assert build_helpers.memory_room(params, gpu) == expected
+    assert build_helpers.memory_room(params, _FakeGpu({})) is None  # no allocator limit: no bound
+
+
 def test_shares_give_the_main_process_half_a_helpers_share():
     assert build_helpers.shares(list(range(18)), 3) == [[0, 1], [2, 5, 8, 11, 14, 17], [3, 6, 9, 12, 15],
                                                         [4, 7, 10, 13, 16]]
