@@ -12,9 +12,11 @@ change what runs.
 
 Each helper has its own GPU client, and XLA's autotuner runs every GEMM it compiles on the device, so a
 helper needs device memory outside the engine's allocator (which preallocates 92% of the GPU). On an
-H100 (80 GB, ~6 GiB left) the 8B start-up's helpers peaked at 2.2 GiB each with two of them and 3.1 GiB
-alone; with three, one ran out of memory, the engine built its share itself, and the cold start took
-67 s against 61 s with two (RESULTS.md, session 37). So `memory_room` bounds their number too.
+H100 (80 GB, ~6 GiB left) the 8B start-up's helpers, each with a growing pool, reached 2.2 GiB each (3.1
+alone); three of them ran out of memory there (one or two of three finished; the engine built the rest
+itself). So helpers allocate as they go (1.7-2.2 GiB each, three of three finished), and `memory_room`
+bounds their number (two on that H100). The cold starts of that machine varied too much (56-74 s
+for one code) to show what either saved (RESULTS.md, session 37).
 
 Helpers are plain `python -m jengine.build_helpers` processes (not multiprocessing), so a user's script
 needs no `__main__` guard for them. They start only on GPUs (a TPU host's chips belong to one process,
@@ -46,7 +48,7 @@ CORES_PER_HELPER = 4  # each helper's XLA compiles, beside the main process's po
 TIMEOUT_S = 900.0
 # A helper's device memory beyond twice the largest weight (the autotuner's operands): its CUDA context, the
 # cuBLAS workspaces and the activations of the largest bucket. 8B on an H100: 0.5 + 2 x 0.98 = 2.46 GiB
-# against 2.2 seen per helper with two.
+# against 1.7-2.2 seen per helper.
 HELPER_BASE_BYTES = 1 << 29
 ENGINE_OVERHEAD_BYTES = 1 << 30  # the engine's own use outside its allocator's pool (0.7 GiB on that H100)
 
@@ -131,7 +133,10 @@ class Helpers:
         # The helpers search this process's module path, less its working-directory entry, and not their
         # own working directory (-P): a `jengine` directory there (a source checkout) is not the package.
         path = os.pathsep.join(p for p in sys.path if p)
-        env = {**os.environ, "PYTHONPATH": path, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # (the engine's memory)
+        # Their allocator takes device memory as it goes and gives it back (the platform allocator, not a
+        # growing pool): the autotuner's buffers of one program at a time, not the high mark of all of them.
+        env = {**os.environ, "PYTHONPATH": path, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+               "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
         self._procs = []
         for jobs in jobs_per_helper:
             log = tempfile.TemporaryFile()
