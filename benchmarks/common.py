@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.engine_config import KV_CACHE_DTYPES, PAGE_SIZES
+from jengine.quantization import QUANTIZATIONS
 
 H200_COPY_BW = 4.3e12  # bytes/s, measured device copy ceiling (shared/BENCHMARKS.md)
 
@@ -22,6 +23,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="jengine/llama-3.1-8b", help="model dir or preset (dummy weights)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--max-model-len", type=positive_int, default=2048)
     parser.add_argument("--max-num-seqs", type=positive_int, default=256)
@@ -205,6 +207,7 @@ def engine_args(args, **overrides) -> dict:
     """LLM keyword arguments from the common flags, `overrides` winning (None values dropped, except an
     explicit `compilation_cache_dir=None`: no caches)."""
     kw = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format,
+              quantization=getattr(args, "quantization", None),
               max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size,

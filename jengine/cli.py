@@ -9,6 +9,7 @@ import sys
 
 from jengine.engine_config import KV_CACHE_DTYPES, PAGE_SIZES, EngineConfig
 from jengine.presets import DEFAULT_MODEL
+from jengine.quantization import QUANTIZATIONS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +17,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                         help="K/V pages in the model's dtype (auto) or 8-bit floats (fp8 = fp8_e4m3, fp8_e5m2)")
+    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+                        help="quantize the linear layers' weights at load time (fp8: e4m3, a scale per output column)")
     parser.add_argument("--load-format", default="auto", help="auto | safetensors | orbax | dummy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -81,6 +84,7 @@ def multihost_settings(args: argparse.Namespace) -> tuple[str | None, int | None
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=None if args.dtype == "auto" else args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                quantization=args.quantization,
                 load_format=args.load_format, seed=args.seed,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,

@@ -25,9 +25,11 @@ from jengine.generation_config import load_generation_config
 from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
 from jengine.logprobs import FlatLogprobs, append_positions, for_output
+from jengine.models import get_model_family
 from jengine.outputs import CompletionOutput, RequestOutput
 from jengine.penalty_window import PenaltyWindow
 from jengine.prompts import tokenize_prompt, truncated
+from jengine.quantization import linear_weights, quantize
 from jengine.request import PLACEHOLDER, Request
 from jengine.runner import ModelRunner, to_host
 from jengine.sampling_params import RequestOutputKind, SamplingParams
@@ -128,6 +130,9 @@ class LLMEngine:
         generation = load_generation_config(config.generation_config, config.model, config.override_generation_config)
         checkpoint_cfg, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
                                             seed=config.seed, mesh=mesh)
+        if config.quantization is not None:
+            specs = get_model_family(checkpoint_cfg.architecture).weight_specs(checkpoint_cfg)
+            params = quantize(params, linear_weights(specs), config.quantization)
         # The generation config's EOS ids end requests too (scheduler, sampler, beam search, the server's
         # checks); the compiled programs never read them, so they are built from (and cached under) the
         # checkpoint's config alone.

@@ -7,6 +7,7 @@ import os
 
 from jengine.buckets import default_seq_buckets, default_token_buckets
 from jengine.config import ModelConfig, normalize_dtype
+from jengine.quantization import check_quantization
 from jengine.sampling_params import check_bool, plain_scalar
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -24,6 +25,9 @@ class EngineConfig:
     dtype: str | None = None  # None / "auto": the checkpoint's dtype
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" / "fp8_e4m3" | "fp8_e5m2"
     load_format: str = "auto"
+    # vLLM's: "fp8" quantizes the linear layers' weights to e4m3 with per-column scales at load time
+    # (`jengine.quantization`); None keeps the checkpoint's weights
+    quantization: str | None = None
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # 256 on an accelerator, 8 on the CPU
@@ -106,6 +110,10 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        check_quantization(self.quantization)
+        if self.quantization is not None and self.tensor_parallel_size != 1:
+            raise ValueError(f"quantization={self.quantization!r} is supported on one device only, got "
+                             f"tensor_parallel_size={self.tensor_parallel_size}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         check_bool("enable_prefix_caching", self.enable_prefix_caching)

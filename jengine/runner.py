@@ -54,10 +54,12 @@ CUBLAS_GEMM_MIN_TOKENS = 64
 CUBLAS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}  # GEMMs through cuBLAS (benchmarks/gemm.py uses it too)
 
 
-def forward_compiler_options(num_tokens: int) -> dict | None:
+def forward_compiler_options(num_tokens: int, quantized: bool = False) -> dict | None:
     """XLA options for the forward program of a `num_tokens` bucket (None: the defaults). Only on GPUs,
-    and never over a choice the user made in XLA_FLAGS."""
-    if (jax.default_backend() != "gpu" or num_tokens < CUBLAS_GEMM_MIN_TOKENS
+    and never over a choice the user made in XLA_FLAGS. Quantized weights (`jengine.quantization`) keep
+    XLA's Triton GEMMs, which convert them inside the GEMM; cuBLAS would take a converted copy of every
+    weight, written and read again each step."""
+    if (jax.default_backend() != "gpu" or num_tokens < CUBLAS_GEMM_MIN_TOKENS or quantized
             or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", "")):
         return None
     return dict(CUBLAS_OPTIONS)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.config import RopeConfig
+from jengine.quantization import scale_name
 
 
 @jax.tree_util.register_dataclass
@@ -43,6 +44,16 @@ class WeightSpec:
     sources: tuple[tuple[str, tuple[int, ...]], ...]
     transpose: bool = True
     init: str = "normal"  # "normal" | "ones" | "zeros" for dummy weights
+
+
+def linear(x: jax.Array, params: dict, name: str) -> jax.Array:
+    """`x @ params[name]`; a quantized weight (`jengine.quantization`) is converted to x's dtype in the GEMM and
+    its output columns multiplied by their scales."""
+    w = params[name]
+    scale = params.get(scale_name(name))
+    if scale is None:
+        return x @ w
+    return (x @ w.astype(x.dtype)) * scale.astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jengine.config import ModelConfig
 from jengine.kernels_pallas import swiglu_matmul
 from jengine.kernels_pallas.ragged_paged_attention import ragged_paged_attention, write_kv
-from jengine.models.common import ModelInput, WeightSpec, apply_rope, rms_norm, rope_inv_freq
+from jengine.models.common import ModelInput, WeightSpec, apply_rope, linear, rms_norm, rope_inv_freq
 from jengine.sharding import per_head_shard, tp_size
 
 
@@ -72,7 +72,7 @@ def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
     num_tokens, tp = x.shape[0], tp_size(mesh)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     hq_s, hkv_s = hq // tp, hkv // tp  # heads per shard
-    qkv = x @ params["qkv"]  # [T, (Hq + 2 Hkv) D]
+    qkv = linear(x, params, "qkv")  # [T, (Hq + 2 Hkv) D]
     if cfg.attention_bias:
         qkv = qkv + params["qkv_bias"]
     qkv = qkv.reshape(num_tokens, tp, (hq_s + 2 * hkv_s) * d)  # [T, tp, per_shard]
@@ -94,18 +94,18 @@ def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
 
     kv_cache, out = per_head_shard(attend, mesh, 4)(
         kv_cache, q, k, v, inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
-    return out.reshape(num_tokens, hq * d) @ params["o"], kv_cache
+    return linear(out.reshape(num_tokens, hq * d), params, "o"), kv_cache
 
 
 def _mlp(params, cfg, x, tp):
     if tp == 1 and swiglu_matmul.use_kernel(x, params["gate_up"]):
         # Hopper, large steps: the product in the gate/up GEMM's epilogue (no [T, 2 I] intermediate)
-        return swiglu_matmul.swiglu_matmul(x, params["gate_up"]) @ params["down"]
+        return linear(swiglu_matmul.swiglu_matmul(x, params["gate_up"]), params, "down")
     inter = cfg.intermediate_size // tp
-    gate_up = (x @ params["gate_up"]).reshape(x.shape[0], tp, 2 * inter)  # [T, tp, 2 I / tp]
+    gate_up = linear(x, params, "gate_up").reshape(x.shape[0], tp, 2 * inter)  # [T, tp, 2 I / tp]
     gate = gate_up[:, :, :inter].reshape(x.shape[0], cfg.intermediate_size)
     up = gate_up[:, :, inter:].reshape(x.shape[0], cfg.intermediate_size)
-    return (jax.nn.silu(gate) * up) @ params["down"]
+    return linear(jax.nn.silu(gate) * up, params, "down")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"))

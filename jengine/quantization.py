@@ -1,0 +1,68 @@
+"""Weight quantization at load time: vLLM's `quantization="fp8"` for an unquantized checkpoint.
+
+Each linear layer's weight `[in, out]` becomes 8-bit floats (e4m3) with one f32 scale per output column,
+`scale = max |w[:, j]| / 448` (448: e4m3's largest finite value), stored beside it as `<name>_scale`. The
+model multiplies `x @ q` (q converted to the activations' dtype inside the GEMM's operand load) by the
+scales (`jengine.models.common.linear`): the weights take half the memory and half the bytes a decode
+step streams. The embedding and the LM head stay in the model's dtype, as in vLLM.
+
+Per-column scales keep a column's large weights from flattening its small ones (e4m3 keeps 3 mantissa bits,
+so a weight is off by at most 1/16 of its own size, or of its column's largest / 2^9 near zero).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+QUANTIZATIONS = ("fp8",)
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+SCALE_SUFFIX = "_scale"
+
+
+def check_quantization(value) -> None:
+    """A ValueError naming the parameter unless `value` is None or a supported method."""
+    if value is not None and (not isinstance(value, str) or value not in QUANTIZATIONS):
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {value!r}")
+
+
+def scale_name(name: str) -> str:
+    return name + SCALE_SUFFIX
+
+
+def linear_weights(specs: dict) -> list[str]:
+    """Names of the linear layers' weights among a family's `weight_specs` (transposed 2-D HF Linear
+    weights), less the LM head."""
+    return [name for name, spec in specs.items()
+            if spec.transpose and len(spec.shape) == 2 and name != "lm_head"]
+
+
+@jax.jit
+def fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`w [in, out]` as (e4m3 values [in, out], f32 scales [out]) with `w ~ values * scales`."""
+    wf = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(wf), axis=0)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)  # an all-zero column keeps zeros, not NaNs
+    return jnp.clip(wf / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+
+
+def quantize(params: dict, names: list[str], method: str) -> dict:
+    """`params` with each of `names` quantized by `method` (its scale added as `scale_name(name)`). Each
+    original weight is deleted once quantized, so the weights' memory peaks at the unquantized size."""
+    check_quantization(method)
+    out = dict(params)
+    for name in names:
+        w = out.pop(name)
+        out[name], out[scale_name(name)] = fp8_weight(w)
+        if isinstance(w, jax.Array):
+            w.delete()
+    return out
+
+
+def is_quantized(params: dict) -> bool:
+    return any(name.endswith(SCALE_SUFFIX) for name in params)
+
+
+__all__ = ["FP8_DTYPE", "QUANTIZATIONS", "check_quantization", "fp8_weight", "is_quantized", "linear_weights",
+           "quantize", "scale_name"]
