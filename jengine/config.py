@@ -116,6 +116,12 @@ class ModelConfig:
         if not archs or not isinstance(archs, list):
             raise ValueError("config.json has no 'architectures' list; cannot tell which model to build")
         arch = archs[0]
+        if raw.get("quantization_config"):
+            # its tensors are quantized values with scales beside them; read as plain weights they would be wrong
+            method = raw["quantization_config"].get("quant_method", "?") if isinstance(
+                raw["quantization_config"], dict) else "?"
+            raise ValueError(f"config.json has a quantization_config (quant_method {method!r}): pre-quantized "
+                             "checkpoints are not supported; load the unquantized model with quantization='fp8'")
 
         def need(key):
             if key not in raw:

@@ -291,3 +291,13 @@ def test_config_is_frozen_and_replace_revalidates():
     assert cfg.replace(dtype="f16").dtype == "float16"
     with pytest.raises(ValueError, match="must be a multiple of"):
         cfg.replace(num_key_value_heads=3)
+
+
+def test_prequantized_checkpoints_are_refused_by_name():
+    """Their tensors are quantized values with scales beside them: read as plain weights they would be wrong."""
+    raw = llama_raw(quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(ValueError, match="quantization_config.*'fp8'.*quantization='fp8'"):
+        ModelConfig.from_hf_dict(raw)
+    with pytest.raises(ValueError, match="quantization_config"):
+        ModelConfig.from_hf_dict(llama_raw(quantization_config=["odd"]))
+    assert ModelConfig.from_hf_dict(llama_raw(quantization_config=None)).architecture == "LlamaForCausalLM"
