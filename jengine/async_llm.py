@@ -47,7 +47,7 @@ class _Stream:
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
     """A copy the engine thread will not change while a consumer reads it: the metrics are the request's
-    own (the outputs' token and logprob lists are new per output already, `LLMEngine._make_output`)."""
+    own (the outputs' token and logprob lists are new per output already, `request_groups.make_output`)."""
     return dataclasses.replace(out, metrics=dataclasses.replace(out.metrics))
 
 

@@ -24,18 +24,18 @@ from jengine.generate import padded_lengths
 from jengine.generation_config import load_generation_config
 from jengine.kv_cache import device_memory, num_device_pages, num_host_pages
 from jengine.loader import load_model
-from jengine.logprobs import FlatLogprobs, append_positions, for_output
+from jengine.logprobs import FlatLogprobs, append_positions
 from jengine.models import get_model_family
-from jengine.outputs import CompletionOutput, RequestOutput
+from jengine.outputs import RequestOutput
 from jengine.penalty_window import PenaltyWindow
 from jengine.prompts import tokenize_prompt, truncated
 from jengine.quantization import linear_weights, quantize
 from jengine.request import PLACEHOLDER, Request
+from jengine.request_groups import Child, Group, make_output
 from jengine.runner import ModelRunner, to_host
 from jengine.sampling_params import RequestOutputKind, SamplingParams
 from jengine.sampling_tables import (
     DEFAULT_PENALTY_WINDOW,
-    BiasRow,
     SamplingRow,
     bias_row,
     build_sampling_tensors,
@@ -50,36 +50,6 @@ from jengine.tokenizer import load_tokenizer
 from jengine.warmup import ProgramBuilder
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Child:
-    """One of the n sequences of a request: its scheduler request, detokenizer and logprobs."""
-
-    request: Request
-    group_id: str
-    detok: IncrementalDetokenizer | None
-    rng_counter: int
-    logprobs: FlatLogprobs | None
-    bad_words: tuple  # the request's bad words as token sequences (`jengine.bad_words`)
-    penalties: PenaltyWindow | None  # with penalties: the sequence's penalty window, kept across steps
-    bias: BiasRow | None = None  # with logit_bias or allowed_token_ids: the entries every step has (`bias_row`)
-    cumulative_logprob: float = 0.0
-    logprob_dicts: list | None = None  # dicts of `logprobs` made so far (CUMULATIVE outputs without flat_logprobs)
-    stop_reason: int | str | None = None
-    sent_tokens: int = 0  # output tokens already returned (DELTA outputs)
-
-
-@dataclasses.dataclass
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[_Child]
-    prompt_logprobs: FlatLogprobs | None = None  # per prompt position; [0] has no entries
-    prompt_logprobs_out: list | FlatLogprobs | None = None  # as outputs carry them, once complete
-    sent_any: bool = False  # an output was returned (DELTA: prompt logprobs go with the first only)
 
 
 def _kv_memory_report(mem: dict | None, kv_caches) -> dict | None:
@@ -179,8 +149,8 @@ class LLMEngine:
         self.startup_phases = phases.seconds  # where the constructor's time went, for start-up reports
         logger.info("engine start-up %.1fs: %s", self.startup_seconds,
                     ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_phases.items()))
-        self._groups: dict[str, _Group] = {}
-        self._children: dict[str, _Child] = {}  # by the child's (scheduler) request id
+        self._groups: dict[str, Group] = {}
+        self._children: dict[str, Child] = {}  # by the child's (scheduler) request id
         self._rng_counter = 0
         self._guided = GuidedRequests(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         # (scheduler) ids of the unfinished children whose sampling tables need their previous token on the host
@@ -229,7 +199,7 @@ class LLMEngine:
             self.scheduler.add_request(request)  # validates lengths; raises before anything is kept
             detok = IncrementalDetokenizer(self.tokenizer, child_params, ids) if self.tokenizer else None
             keep_dicts = params.output_kind is RequestOutputKind.CUMULATIVE and not params.flat_logprobs
-            children.append(_Child(request, request_id, detok, self._rng_counter,
+            children.append(Child(request, request_id, detok, self._rng_counter,
                                    FlatLogprobs() if params.logprobs is not None else None, bad_words,
                                    PenaltyWindow(ids, self.model_config.vocab_size, DEFAULT_PENALTY_WINDOW)
                                    if params.uses_penalties else None, bias,
@@ -240,7 +210,7 @@ class LLMEngine:
             self._guided.add(child.request.request_id, matcher)
         if params.uses_penalties or params.structured_outputs or needs_history(bad_words):
             self._history.update(c.request.request_id for c in children)
-        group = _Group(request_id, text, ids, params, children)
+        group = Group(request_id, text, ids, params, children)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = FlatLogprobs([None])
             children[0].request.skip_prefix_cache = True  # every prompt position must be computed
@@ -366,7 +336,7 @@ class LLMEngine:
         for request_id in guided.result() if guided is not None else ():  # their grammars are complete
             if not self._children[request_id].request.is_finished:
                 self.scheduler.finish_request(request_id, "stop")
-        touched: dict[str, _Group] = {}  # in batch order
+        touched: dict[str, Group] = {}  # in batch order
         for _, child in recording:
             group = self._groups[child.group_id]
             if group.params.output_kind is not RequestOutputKind.FINAL_ONLY or child.request.is_finished:
@@ -472,7 +442,7 @@ class LLMEngine:
             append_positions(into, targets, ks, rows, plp.token_logprobs, plp.token_ranks, plp.topk_ids,
                              plp.topk_logprobs)
 
-    def _record_token(self, child: _Child, logprob: float, finished: bool) -> None:
+    def _record_token(self, child: Child, logprob: float, finished: bool) -> None:
         """Apply a row's sampled token: logprob, stop reason, text (a stop string ends the request)."""
         request = child.request
         token = request.output_token_ids[-1]
@@ -486,49 +456,16 @@ class LLMEngine:
                 child.stop_reason = stop_str
 
     def _make_output(self, group_id: str) -> RequestOutput:
-        """The group's output, of its `output_kind`: DELTA carries only the text, tokens and logprobs
-        new since the group's last output (the prompt logprobs with the first); the others carry all.
-        Its token and logprob lists are new lists, never the engine's own, which later steps extend."""
+        """The group's output (`request_groups.make_output`); a finished group's bookkeeping goes with it."""
         group = self._groups[group_id]
-        delta = group.params.output_kind is RequestOutputKind.DELTA
-        outputs = []
-        for i, child in enumerate(group.children):
-            request = child.request
-            text = child.detok.get_next_output_text(request.is_finished, delta=delta) if child.detok else ""
-            first = child.sent_tokens if delta else 0
-            child.sent_tokens = len(request.output_token_ids)
-            outputs.append(CompletionOutput(
-                index=i, text=text, token_ids=request.output_token_ids[first:],
-                cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
-                logprobs=None if child.logprobs is None else for_output(
-                    child.logprobs, first, as_flat=group.params.flat_logprobs, built=child.logprob_dicts),
-                finish_reason=request.finish_reason, stop_reason=child.stop_reason))
-        finished = all(o.finish_reason is not None for o in outputs)
-        metrics = group.children[0].request.metrics
-        prompt_logprobs = None if delta and group.sent_any else _output_prompt_logprobs(group)
-        group.sent_any = True
-        out = RequestOutput(request_id=group_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-                            outputs=outputs, finished=finished, metrics=metrics, prompt_logprobs=prompt_logprobs)
-        if finished:
+        out = make_output(group)
+        if out.finished:
             del self._groups[group_id]
             for child in group.children:
                 self._children.pop(child.request.request_id, None)
                 self._guided.discard(child.request.request_id)
                 self._history.discard(child.request.request_id)
         return out
-
-
-def _output_prompt_logprobs(group: _Group):
-    """The group's prompt logprobs as outputs carry them, one entry per prompt position; built once when
-    complete (positions not computed yet, as after a preemption of the child computing them, read None)."""
-    if group.prompt_logprobs_out is not None or group.prompt_logprobs is None:
-        return group.prompt_logprobs_out
-    out = for_output(group.prompt_logprobs, 0, as_flat=group.params.flat_logprobs)
-    missing = len(group.prompt_token_ids) - len(out)
-    out.extend([None] * missing)
-    if not missing:
-        group.prompt_logprobs_out = out
-    return out
 
 
 def _freeze_heap() -> None:
