@@ -2,9 +2,10 @@
 
 Each linear layer's weight `[in, out]` becomes 8-bit floats (e4m3) with one f32 scale per output column,
 `scale = max |w[:, j]| / 448` (448: e4m3's largest finite value), stored beside it as `<name>_scale`. The
-model multiplies `x @ q` (q converted to the activations' dtype inside the GEMM's operand load) by the
-scales (`jengine.models.common.linear`): the weights take half the memory and half the bytes a decode
-step streams. The embedding and the LM head stay in the model's dtype, as in vLLM.
+model multiplies `x @ q` by the scales (`jengine.models.common.linear`), q converted to the activations'
+dtype by XLA inside its Triton GEMMs (not profiled; on an H100 the 8B's batch-1 step ran 19% faster than
+with bf16 weights, which a converted copy of every weight would not allow): the weights take half the memory
+and half the bytes a decode step streams. The embedding and the LM head stay in the model's dtype, as in vLLM.
 
 Per-column scales keep a column's large weights from flattening its small ones (e4m3 keeps 3 mantissa bits,
 so a weight is off by at most 1/16 of its own size, or of its column's largest / 2^9 near zero).
@@ -52,8 +53,9 @@ def quantize(params: dict, names: list[str], method: str) -> dict:
     original weight is deleted once quantized, so the weights' memory peaks at the unquantized size.
 
     The deleted weights leave holes between the quantized ones in the device allocator's pool, each too
-    small for a large temporary: on an H100 the 8B's first sampling program then ran out of memory for 1.9
-    GiB with ~40 GiB free in holes. So the params then go to the host and back, onto one stretch of memory."""
+    small for a large temporary: on an H100 the 8B engine's first sampling program then ran out of memory
+    for 1.9 GiB (RESULTS.md, session 37). So the params then go to the host and back, onto one stretch of
+    memory."""
     check_quantization(method)
     out = dict(params)
     for name in names:
