@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,58 @@ def tile_name(t: dict) -> str:
             f"{t['grid_minor_dim']}{t['grid_tile_width']}")
 
 
+def fp8_rows(x):
+    """x [M, K] as e4m3 rows with one f32 scale per row (the dynamic per-token scaling of W8A8)."""
+    from jengine.quantization import FP8_DTYPE, FP8_MAX
+
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    scale = jnp.maximum(amax, 1e-12) / FP8_MAX
+    return (x.astype(jnp.float32) / scale).astype(FP8_DTYPE), scale
+
+
+def fp8_impls(x, w):
+    """fp8-weight variants of `x @ w`: (name, fn, args, XLA options). The weight is quantized per output
+    column (`jengine.quantization.fp8_weight`), stored [K, N] as the engine stores it or [N, K] (K-major, the
+    layout cuBLASLt's 8-bit GEMMs take); W8A16 converts it to bf16 inside XLA's GEMM, W8A8 also quantizes
+    each row of x and multiplies two 8-bit operands."""
+    from jengine.quantization import fp8_weight
+
+    q, s = fp8_weight(w)
+    qt = q.T.copy()
+    nk = (((1,), (1,)), ((), ()))
+
+    def w8a16(x, q, s):
+        return (x @ q.astype(x.dtype)) * s.astype(x.dtype)
+
+    def w8a16_nk(x, qt, s):
+        return jax.lax.dot_general(x, qt.astype(x.dtype), nk) * s.astype(x.dtype)
+
+    def w8a8(x, qt, s):
+        xq, sx = fp8_rows(x)
+        y = jax.lax.dot_general(xq, qt, nk, preferred_element_type=jnp.float32)
+        return (y * sx * s).astype(x.dtype)
+
+    def w8a8_bf16(x, qt, s):
+        xq, sx = fp8_rows(x)
+        y = jax.lax.dot_general(xq, qt, nk, preferred_element_type=jnp.bfloat16)
+        return (y.astype(jnp.float32) * sx * s).astype(x.dtype)
+
+    return [("fp8 w8a16 [K,N] autotuned", w8a16, (x, q, s), None),
+            ("fp8 w8a16 [N,K] autotuned", w8a16_nk, (x, qt, s), None),
+            ("fp8 w8a8 f32 autotuned", w8a8, (x, qt, s), None),
+            ("fp8 w8a8 f32 cublas", w8a8, (x, qt, s), CUBLAS),
+            ("fp8 w8a8 bf16 autotuned", w8a8_bf16, (x, qt, s), None),
+            ("fp8 w8a8 bf16 cublas", w8a8_bf16, (x, qt, s), CUBLAS)]
+
+
+def gemm_kernels(fn, args, options) -> str:
+    """The GEMM kernels XLA compiled `fn` to: its custom calls' targets and Triton GEMM fusions' names."""
+    text = jax.jit(fn, compiler_options=options).lower(*args).compile().as_text()
+    found = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text))
+                   | set(re.findall(r'"kind":"(__triton[a-z_]*)"', text)))
+    return ",".join(found) or "none"
+
+
 def swiglu(h):
     gate, up = jnp.split(h, 2, axis=-1)
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(h.dtype)
@@ -82,6 +135,9 @@ def main(argv=None):
     p.add_argument("--no-pallas", action="store_true", help="skip the Pallas matmul (it runs on Hopper only)")
     p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                    help="time only the implementations whose name contains one of these (e.g. cublas swiglu_matmul)")
+    p.add_argument("--fp8", action="store_true",
+                   help="also time fp8 weights (`quantization=\"fp8\"`): converted in the GEMM (W8A16) and 8-bit x 8-bit "
+                        "with per-row activation scales (W8A8), and print which GEMM kernels XLA chose for them")
     p.add_argument("--output-json", default=None)
     a = p.parse_args(argv)
     if a.timer == "cupti" and jax.default_backend() != "gpu":
@@ -105,6 +161,8 @@ def main(argv=None):
                      ("xla autotuned", lambda x, w: x @ w, (x, w), None),
                      ("xla cublaslt", lambda x, w: x @ w, (x, w), CUBLASLT),
                      ("xla cublas, w as [N, K]", lambda x, wt: x @ wt.T, (x, w.T.copy()), CUBLAS)]
+            if a.fp8:
+                impls += fp8_impls(x, w)
             if pallas:
                 impls += [(tile_name(t), pallas_matmul(t), (x, w), None) for t in pallas_tiles(m)]
             if name == "gate_up":
@@ -124,11 +182,14 @@ def main(argv=None):
                 if fn is None or (a.only and not any(text in impl for text in a.only)):
                     continue
                 try:  # distinct weight copies in turn, so that a call does not find the last one's in L2
-                    if impl.startswith(("pallas", "swiglu_matmul")):
+                    if impl.startswith(("pallas", "swiglu_matmul", "fp8")):
                         want = fused_reference if impl.startswith("swiglu_matmul") else reference
                         got = jax.jit(fn)(*args).astype(jnp.float32)
                         error = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-                        if error > 2e-2:
+                        if impl.startswith("fp8"):  # 8-bit rounding: reported, with the kernels chosen
+                            print(f"{m:>6} {name:10} {impl:32} error {error:.3g}, kernels "
+                                  f"{gemm_kernels(fn, args, options)}", flush=True)
+                        elif error > 2e-2:
                             print(f"{m:>6} {name:10} {impl:32} wrong: relative error {error:.3g}", flush=True)
                             continue
                     us = timed(fn, args, rests=rotated(args, args[1].nbytes), compiler_options=options)
@@ -136,7 +197,7 @@ def main(argv=None):
                     print(f"{m:>6} {name:10} {impl:32} failed: {type(e).__name__}: {e}"[:200], flush=True)
                     continue
                 row = dict(m=m, op=name, impl=impl, us=us, tflop_s=2 * m * k * n / us / 1e6,
-                           weight_tb_s=2 * k * n / us / 1e6, fraction_of_peak=2 * m * k * n / us / 1e6
+                           weight_tb_s=args[1].nbytes / us / 1e6, fraction_of_peak=2 * m * k * n / us / 1e6
                            / (H200_BF16_FLOPS / 1e12))
                 rows.append(row)
                 print(f"{m:>6} {name:10} {impl:32}{us:10.1f}{row['tflop_s']:9.1f}{row['weight_tb_s']:8.2f}",
