@@ -1,11 +1,16 @@
 """Weight quantization at load time: vLLM's `quantization="fp8"` for an unquantized checkpoint.
 
 Each linear layer's weight `[in, out]` becomes 8-bit floats (e4m3) with one f32 scale per output column,
-`scale = max |w[:, j]| / 448` (448: e4m3's largest finite value), stored beside it as `<name>_scale`. The
-model multiplies `x @ q` by the scales (`jengine.models.common.linear`), q converted to the activations'
-dtype by XLA inside its Triton GEMMs (not profiled; on an H100 the 8B's batch-1 step ran 19% faster than
-with bf16 weights, which a converted copy of every weight would not allow): the weights take half the memory
-and half the bytes a decode step streams. The embedding and the LM head stay in the model's dtype, as in vLLM.
+`scale = max |w[:, j]| / 448` (448: e4m3's largest finite value), stored transposed (`[out, in]`, each column's
+values contiguous: the operand layout of cuBLASLt's 8-bit GEMMs, and the faster one for XLA's Triton GEMMs at
+batch 1) with its scales beside it as `<name>_scale`. The weights take half the memory and half the bytes a
+decode step streams. The embedding and the LM head stay in the model's dtype, as in vLLM.
+
+`fp8_linear` quantizes each row of x too (e4m3, a dynamic scale per token, as vLLM's fp8 does on Hopper) and
+multiplies two 8-bit operands: cuBLASLt's fp8 GEMM (twice bf16's FLOP rate) or a Triton one, as XLA picks. A
+token's rounding depends on its own row only, so its output does not depend on the batch it ran in. Converting
+only the weight and keeping x in 16 bits was 0.4 ms a step faster at batch 1 on an H100 (no pass over x before
+each GEMM), but mixing the two by step size made greedy outputs depend on the batch (RESULTS.md, session 38).
 
 Per-column scales keep a column's large weights from flattening its small ones (e4m3 keeps 3 mantissa bits,
 so a weight is off by at most 1/16 of its own size, or of its column's largest / 2^9 near zero).
@@ -20,6 +25,7 @@ QUANTIZATIONS = ("fp8",)
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 SCALE_SUFFIX = "_scale"
+_NK = (((1,), (1,)), ((), ()))  # x [T, K] times w [N, K]: contract both K axes
 
 
 def check_quantization(value) -> None:
@@ -41,11 +47,27 @@ def linear_weights(specs: dict) -> list[str]:
 
 @jax.jit
 def fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`w [in, out]` as (e4m3 values [in, out], f32 scales [out]) with `w ~ values * scales`."""
-    wf = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(wf), axis=0)
+    """`w [in, out]` as (e4m3 values transposed [out, in], f32 scales [out]) with `w ~ (values * scales[:, None]).T`."""
+    wf = w.astype(jnp.float32).T
+    amax = jnp.max(jnp.abs(wf), axis=1)
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)  # an all-zero column keeps zeros, not NaNs
-    return jnp.clip(wf / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+    return jnp.clip(wf / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+
+
+def fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`x [T, K]` as (e4m3 values [T, K], f32 scales [T, 1]): each row scaled so its largest value is 448."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (xf / scale).astype(FP8_DTYPE), scale
+
+
+def fp8_linear(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x [T, K] @ w` for a weight quantized by `fp8_weight` (q `[N, K]`, scale `[N]`), in x's dtype: x's rows
+    quantized (`fp8_rows`), the 8-bit product summed in f32 and rounded to x's dtype, then both scales applied."""
+    xq, x_scale = fp8_rows(x)
+    y = jax.lax.dot_general(xq, q, _NK, preferred_element_type=x.dtype)
+    return (y.astype(jnp.float32) * x_scale * scale).astype(x.dtype)
 
 
 def quantize(params: dict, names: list[str], method: str) -> dict:
@@ -80,5 +102,5 @@ def is_quantized(params: dict) -> bool:
     return any(name.endswith(SCALE_SUFFIX) for name in params)
 
 
-__all__ = ["FP8_DTYPE", "QUANTIZATIONS", "check_quantization", "fp8_weight", "is_quantized", "linear_weights",
-           "quantize", "scale_name"]
+__all__ = ["FP8_DTYPE", "QUANTIZATIONS", "check_quantization", "fp8_linear", "fp8_rows",
+           "fp8_weight", "is_quantized", "linear_weights", "quantize", "scale_name"]

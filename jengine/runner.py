@@ -54,12 +54,11 @@ CUBLAS_GEMM_MIN_TOKENS = 64
 CUBLAS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}  # GEMMs through cuBLAS (benchmarks/gemm.py uses it too)
 
 
-def forward_compiler_options(num_tokens: int, quantized: bool = False) -> dict | None:
+def forward_compiler_options(num_tokens: int) -> dict | None:
     """XLA options for the forward program of a `num_tokens` bucket (None: the defaults). Only on GPUs,
-    and never over a choice the user made in XLA_FLAGS. Quantized weights (`jengine.quantization`) keep
-    XLA's Triton GEMMs, which convert them inside the GEMM; cuBLAS would take a converted copy of every
-    weight, written and read again each step."""
-    if (jax.default_backend() != "gpu" or num_tokens < CUBLAS_GEMM_MIN_TOKENS or quantized
+    and never over a choice the user made in XLA_FLAGS. Quantized weights (`jengine.quantization`) are
+    multiplied by 8-bit activations, which cuBLASLt's fp8 GEMMs take as they are."""
+    if (jax.default_backend() != "gpu" or num_tokens < CUBLAS_GEMM_MIN_TOKENS
             or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", "")):
         return None
     return dict(CUBLAS_OPTIONS)

@@ -24,7 +24,6 @@ from jengine import build_helpers
 from jengine.executable_cache import ExecutableCache, describe, reload, source_digest
 from jengine.generate import hidden_states_program
 from jengine.models import get_model_family
-from jengine.quantization import is_quantized
 from jengine.runner import SAMPLER_VARIANTS, ModelRunner, forward_compiler_options
 from jengine.sampling_tables import SamplerSwitches, build_sampling_tensors, program_inputs
 from jengine.step_input import pack
@@ -118,7 +117,7 @@ class ProgramBuilder:
 
     def _forward_build(self, bucket: tuple[int, int], layout, args) -> tuple:
         """A (T, S) bucket's forward as `_start_builds` takes it: (name, key, trace, compiler options)."""
-        opts = forward_compiler_options(bucket[0], is_quantized(self.runner.params))
+        opts = forward_compiler_options(bucket[0])
         return (("forward", layout), self._key("forward", args, (layout,), opts),
                 functools.partial(lambda b: self.runner.trace_forward(b)[1], bucket), opts)
 

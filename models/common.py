@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.config import RopeConfig
-from jengine.quantization import scale_name
+from jengine.quantization import fp8_linear, scale_name
 
 
 @jax.tree_util.register_dataclass
@@ -47,13 +47,12 @@ class WeightSpec:
 
 
 def linear(x: jax.Array, params: dict, name: str) -> jax.Array:
-    """`x @ params[name]`; a quantized weight (`jengine.quantization`) is converted to x's dtype in the GEMM and
-    its output columns multiplied by their scales."""
+    """`x @ params[name]`, or for a quantized weight (`jengine.quantization`) its 8-bit product."""
     w = params[name]
     scale = params.get(scale_name(name))
     if scale is None:
         return x @ w
-    return (x @ w.astype(x.dtype)) * scale.astype(x.dtype)
+    return fp8_linear(x, w, scale)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

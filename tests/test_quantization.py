@@ -39,8 +39,9 @@ def test_fp8_weight_is_within_the_formats_rounding_per_column():
     w[:, 1] *= 1000.0  # columns of very different sizes keep their own precision
     w[:, 2] = 0.0  # an all-zero column stays zeros (no NaN scale)
     q, scale = quantization.fp8_weight(jnp.asarray(w))
-    assert q.dtype == E4M3 and q.shape == w.shape and scale.shape == (48,) and scale.dtype == jnp.float32
-    back = np.asarray(q.astype(jnp.float32)) * np.asarray(scale)
+    # stored [out, in]: each output column's values contiguous, the 8-bit GEMMs' operand layout
+    assert q.dtype == E4M3 and q.shape == w.T.shape and scale.shape == (48,) and scale.dtype == jnp.float32
+    back = (np.asarray(q.astype(jnp.float32)) * np.asarray(scale)[:, None]).T
     assert np.all(np.isfinite(back)) and np.all(back[:, 2] == 0)
     # e4m3: 3 mantissa bits, so a normal value is off by at most 1/16 of itself; subnormals by 2^-10 of 448 x scale
     bound = np.maximum(np.abs(w) / 16, np.asarray(scale) * 2.0**-9) * 1.0001
@@ -63,15 +64,37 @@ def test_quantize_replaces_the_linear_layers_only(model):
         quantization.quantize({}, [], "int4")
 
 
-def test_linear_multiplies_the_converted_weight_by_the_column_scales():
+def _dequantized(q, scale):
+    return np.asarray(q.astype(jnp.float32)) * np.asarray(scale)[:, None]  # [N, K]
+
+
+def test_linear_multiplies_the_8_bit_rows_by_the_dequantized_weight():
+    """Each row of x is quantized with its own scale, so rows of very different sizes keep their precision and a
+    row's result does not depend on the others in the batch."""
     rng = np.random.default_rng(1)
-    x, w = jnp.asarray(rng.normal(size=(5, 32)), jnp.float32), jnp.asarray(rng.normal(size=(32, 24)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(6, 32)) * np.geomspace(1e-3, 1e3, 6)[:, None], jnp.float32)
+    w = jnp.asarray(rng.normal(size=(32, 24)), jnp.float32)
     q, scale = quantization.fp8_weight(w)
-    got = linear(x, {"w": q, "w_scale": scale}, "w")
-    expected = np.asarray(x) @ (np.asarray(q.astype(jnp.float32)) * np.asarray(scale))
-    # (loose enough for a GPU's f32 matmuls in TF32; a scale left out would be off by its size, ~10^-2)
-    np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
+    got = np.asarray(linear(x, {"w": q, "w_scale": scale}, "w"))
+    xq, x_scale = quantization.fp8_rows(x)
+    assert xq.dtype == E4M3 and x_scale.shape == (6, 1)
+    expected = (np.asarray(xq.astype(jnp.float32)) * np.asarray(x_scale)) @ _dequantized(q, scale).T
+    # (loose enough for a GPU's f32 matmuls in TF32; a scale left out would be off by its size)
+    rows = np.abs(expected).max(axis=1, keepdims=True)
+    assert np.all(np.abs(got - expected) <= 1e-3 * rows)
+    assert not np.allclose(got, np.asarray(x) @ _dequantized(q, scale).T, rtol=1e-4)  # x's rounding shows
+    alone = np.asarray(linear(x[2:3], {"w": q, "w_scale": scale}, "w"))  # a row alone: the same as in the batch
+    assert np.all(np.abs(alone - got[2:3]) <= 1e-5 * rows[2])
     assert np.array_equal(linear(x, {"w": w}, "w"), x @ w)
+
+
+def test_fp8_rows_scale_each_row_to_the_formats_range():
+    x = jnp.asarray([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [3e-6, 1e6, -7.0]], jnp.float32)
+    xq, scale = quantization.fp8_rows(x)
+    back = np.asarray(xq.astype(jnp.float32)) * np.asarray(scale)
+    assert np.abs(np.asarray(xq.astype(jnp.float32))).max(axis=1).tolist() == [448.0, 0.0, 448.0]
+    assert np.all(back[1] == 0) and np.all(np.isfinite(back))  # an all-zero row keeps zeros
+    assert np.all(np.abs(back - np.asarray(x)) <= np.maximum(np.abs(np.asarray(x)) / 16, np.asarray(scale) * 2.0**-9))
 
 
 def test_engine_greedy_equals_the_single_sequence_path_over_the_same_weights(model):
