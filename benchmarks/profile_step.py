@@ -27,6 +27,7 @@ from common import H200_COPY_BW, non_negative_int, positive_float, positive_int,
 from jengine.buckets import seq_bucket
 from jengine.engine import LLMEngine
 from jengine.engine_config import KV_CACHE_DTYPES, PAGE_SIZES, EngineConfig
+from jengine.quantization import QUANTIZATIONS
 from jengine.sampling_params import SamplingParams
 from jengine.sampling_tables import build_sampling_tensors
 from jengine.step_input import build_step_input
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size, choices=PAGE_SIZES,
                         help="tokens per KV page (default: the engine's)")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="the engine's weight quantization")
     parser.add_argument("--trace-dir", default=None, help="keep the raw trace here (default: a temp dir)")
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default flags"))
     parser.add_argument("--output-json", default=None)
@@ -212,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                                     token_buckets=buckets, seq_buckets=seqs,
                                     gpu_memory_utilization=args.gpu_memory_utilization,
                                     kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                                    quantization=args.quantization,
                                     tensor_parallel_size=args.tensor_parallel_size), progress=False)
     print(f"[{args.label}] start-up {time.perf_counter() - t0:.1f} s")
     bound_ms = 1e3 * streamed_weight_bytes(engine.runner.params) / H200_COPY_BW

@@ -1,6 +1,7 @@
-"""`quantization="fp8"`: the linear layers' weights as e4m3 with a scale per output column. The engine's greedy
-output equals the single-sequence path's over the same quantized weights under batching, prefix caching,
-chunked prefill and preemption, and the logits stay close to the full-precision model's."""
+"""`quantization="fp8"`: the linear layers' weights as e4m3 with a scale per output column, multiplied by 8-bit
+activation rows. Under batching, prefix caching, chunked prefill and preemption every greedy token of the
+engine is the single-sequence path's best token over the same quantized weights, or within the 8-bit GEMMs'
+noise of it; and the logits stay close to the full-precision model's."""
 
 from __future__ import annotations
 
@@ -15,12 +16,17 @@ from test_engine import FIXTURE, HF_CASES, _assert_no_leak, _greedy_tokens, _mak
 from jengine import quantization
 from jengine.cli import add_engine_args, engine_kwargs
 from jengine.engine_config import EngineConfig
-from jengine.generate import greedy_generate, prompt_logits
+from jengine.generate import prompt_logits
 from jengine.loader import load_model
 from jengine.models import get_model_family
 from jengine.models.common import linear
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+# logit units (the fixture's logits have a spread of ~1.3): how far below the single-sequence path's best token
+# a greedy token may be. On the CPU they are the same tokens; on a GPU the buckets' 8-bit GEMMs (cuBLASLt or
+# Triton, fast accumulation) sum in different orders and precisions, and one H100 run picked a token 0.045
+# below the best.
+TOLERANCE = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +103,14 @@ def test_fp8_rows_scale_each_row_to_the_formats_range():
     assert np.all(np.abs(back - np.asarray(x)) <= np.maximum(np.abs(np.asarray(x)) / 16, np.asarray(scale) * 2.0**-9))
 
 
-def test_engine_greedy_equals_the_single_sequence_path_over_the_same_weights(model):
+def _assert_greedy_near_the_single_sequence_path(llm, prompts, qcfg, qparams):
+    for prompt, tokens in zip(prompts, _greedy_tokens(llm, prompts)):
+        logits = np.asarray(prompt_logits(qcfg, qparams, list(prompt) + tokens[:-1])[len(prompt) - 1:])
+        below_best = logits.max(axis=1) - logits[np.arange(len(tokens)), tokens]
+        assert len(tokens) == 16 and below_best.max() <= TOLERANCE, (prompt, tokens, below_best)
+
+
+def test_engine_greedy_follows_the_single_sequence_path_over_the_same_weights(model):
     llm = _make_llm(quantization="fp8")
     qcfg, qparams = _quantized(model)
     engine_params = llm.engine.runner.params
@@ -105,14 +118,11 @@ def test_engine_greedy_equals_the_single_sequence_path_over_the_same_weights(mod
     for name, value in qparams.items():  # the engine quantized the same weights the same way (e4m3 -> f32 is exact)
         assert engine_params[name].dtype == value.dtype, name
         assert np.array_equal(engine_params[name].astype(jnp.float32), value.astype(jnp.float32)), name
-    prompts = [p for p, _ in HF_CASES]
-    expected = [greedy_generate(qcfg, qparams, p, 16, stop_at_eos=False) for p in prompts]
-    assert _greedy_tokens(llm, prompts) == expected
+    _assert_greedy_near_the_single_sequence_path(llm, [p for p, _ in HF_CASES], qcfg, qparams)
     shared = [(5 * t + 1) % 256 for t in HF_CASES[3][0][:32]]  # two full pages
     prompts = [shared + [9 + i, 4 + i] for i in range(3)]
     before = llm.engine.stats["computed_prompt_tokens"]
-    assert _greedy_tokens(llm, prompts) == [greedy_generate(qcfg, qparams, p, 16, stop_at_eos=False)
-                                            for p in prompts]
+    _assert_greedy_near_the_single_sequence_path(llm, prompts, qcfg, qparams)
     assert llm.engine.stats["computed_prompt_tokens"] - before < sum(map(len, prompts))  # pages were shared
     _assert_no_leak(llm)
 
@@ -122,8 +132,7 @@ def test_chunked_prefill_and_preemption_keep_outputs(model):
     qcfg, qparams = _quantized(model)
     base = HF_CASES[3][0]
     prompts = [base[i : i + 32] for i in range(4)]
-    assert _greedy_tokens(llm, prompts) == [greedy_generate(qcfg, qparams, p, 16, stop_at_eos=False)
-                                            for p in prompts]
+    _assert_greedy_near_the_single_sequence_path(llm, prompts, qcfg, qparams)
     assert llm.engine.stats["preemptions"] > 0
     _assert_no_leak(llm)
 
