@@ -22,11 +22,12 @@ from jengine.models import get_model_family
 from jengine.models.common import linear
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
-# logit units (the fixture's logits have a spread of ~1.3): how far below the single-sequence path's best token
-# a greedy token may be. On the CPU they are the same tokens; on a GPU the buckets' 8-bit GEMMs (cuBLASLt or
-# Triton, fast accumulation) sum in different orders and precisions, and one H100 run picked a token 0.045
-# below the best.
-TOLERANCE = 0.15
+# logit units (the fixture's logits have a spread of ~1.3, a random token is ~4 below the best): how far below
+# the single-sequence path's best token a greedy token may be. On the CPU both paths compute the same numbers.
+# On a GPU the buckets' kernels (attention, cuBLASLt or Triton 8-bit GEMMs) round differently, and quantizing
+# the activations turns a last-bit difference into a whole e4m3 step (1/16) where a value sits at a rounding
+# boundary: H100 runs picked tokens 0.045 and 0.23 below the best.
+TOLERANCE = 0.5
 
 
 @pytest.fixture(scope="module")
