@@ -111,9 +111,6 @@ class EngineConfig:
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         check_quantization(self.quantization)
-        if self.quantization is not None and self.tensor_parallel_size != 1:
-            raise ValueError(f"quantization={self.quantization!r} is supported on one device only, got "
-                             f"tensor_parallel_size={self.tensor_parallel_size}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         check_bool("enable_prefix_caching", self.enable_prefix_caching)

@@ -8,7 +8,9 @@ decode step streams. The embedding and the LM head stay in the model's dtype, as
 
 `fp8_linear` quantizes each row of x too (e4m3, a dynamic scale per token, as vLLM's fp8 does on Hopper) and
 multiplies two 8-bit operands: cuBLASLt's fp8 GEMM (twice bf16's FLOP rate) or a Triton one, as XLA picks. A
-token's rounding depends on its own row only, so its output does not depend on the batch it ran in. Converting
+token's rounding depends on its own row only, so quantizing adds no dependence on the batch (the buckets' GEMMs
+still sum in orders of their own). Under tensor parallelism the values keep their weight's split and the scales
+follow the output columns; a row-parallel GEMM's x rows take their largest values across the shards. Converting
 only the weight and keeping x in 16 bits was 0.4 ms a step faster at batch 1 on an H100 (no pass over x before
 each GEMM), but mixing the two by step size made greedy outputs depend on the batch (RESULTS.md, session 38).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 QUANTIZATIONS = ("fp8",)
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -45,9 +48,19 @@ def linear_weights(specs: dict) -> list[str]:
             if spec.transpose and len(spec.shape) == 2 and name != "lm_head"]
 
 
-@jax.jit
 def fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`w [in, out]` as (e4m3 values transposed [out, in], f32 scales [out]) with `w ~ (values * scales[:, None]).T`."""
+    """`w [in, out]` as (e4m3 values transposed [out, in], f32 scales [out]) with `w ~ (values * scales[:, None]).T`.
+    A weight split over a mesh keeps its split: the values' axes swap with the weight's, and the scales follow
+    the output columns (split with a column-parallel weight's columns, whole beside a row-parallel one)."""
+    sharding = getattr(w, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return jax.jit(_fp8_values)(w)
+    rows, cols = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+    out = (NamedSharding(sharding.mesh, PartitionSpec(cols, rows)), NamedSharding(sharding.mesh, PartitionSpec(cols)))
+    return jax.jit(_fp8_values, out_shardings=out)(w)
+
+
+def _fp8_values(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     wf = w.astype(jnp.float32).T
     amax = jnp.max(jnp.abs(wf), axis=1)
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)  # an all-zero column keeps zeros, not NaNs
@@ -89,8 +102,11 @@ def quantize(params: dict, names: list[str], method: str) -> dict:
 
 
 def _compacted(params: dict) -> dict:
-    """The same params, placed again (same shardings) after every device buffer of them was freed."""
+    """The same params, placed again (same shardings) after every device buffer of them was freed. Params
+    spread over several hosts stay where they are (this host cannot read the others' shards)."""
     arrays = {name: x for name, x in params.items() if isinstance(x, jax.Array)}
+    if not all(x.is_fully_addressable for x in arrays.values()):
+        return params
     shardings = {name: x.sharding for name, x in arrays.items()}
     host = jax.device_get(arrays)
     for x in arrays.values():

@@ -6,11 +6,16 @@ noise of it; and the logits stay close to the full-precision model's."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from test_engine import FIXTURE, HF_CASES, _assert_no_leak, _greedy_tokens, _make_llm
 
 from jengine import quantization
@@ -149,12 +154,42 @@ def test_quantized_logits_stay_close_to_the_full_precision_ones(model):
     assert 0 < err < 0.15, err
 
 
+def _tensor_parallel_child() -> dict:
+    """Run as a script with 4 CPU devices: greedy tokens at TP 1, 2 and 4 over fp8 weights, and how the
+    values and scales of a column-parallel (qkv) and a row-parallel (down) weight are split."""
+    from jengine import SamplingParams
+
+    prompts = [p for p, _ in HF_CASES]
+    report = {}
+    for tp in (1, 2, 4):
+        llm = _make_llm(quantization="fp8", tensor_parallel_size=tp, compilation_cache_dir=None)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        params = llm.engine.runner.params
+        specs = {name: list(params[name].sharding.spec) if isinstance(params[name].sharding, NamedSharding) else None
+                 for name in ("layers.0.qkv", "layers.0.qkv_scale", "layers.0.down", "layers.0.down_scale")}
+        report[tp] = dict(tokens=[o.outputs[0].token_ids for o in outs], specs=specs)
+    return report
+
+
+def test_fp8_under_tensor_parallelism_generates_what_one_device_does():
+    """The 8-bit values keep their weight's split with axes swapped; the scales follow the output columns: split
+    with qkv's columns, whole beside down (split by rows, whose x rows' largest values then span the shards)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=500, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["2"]["tokens"] == report["1"]["tokens"] and report["4"]["tokens"] == report["1"]["tokens"]
+    for tp in ("2", "4"):
+        specs = {name.split(".")[-1]: spec for name, spec in report[tp]["specs"].items()}
+        assert specs == {"qkv": ["tp", None], "qkv_scale": ["tp"], "down": [None, "tp"], "down_scale": [None]}, specs
+    assert set(report["1"]["specs"].values()) == {None}
+
+
 def test_quantization_is_validated():
     for bad in ("int8", "FP8", ["fp8"], 8):
         with pytest.raises(ValueError, match="quantization"):
             EngineConfig(model="m", quantization=bad)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(model="m", quantization="fp8", tensor_parallel_size=2)
+    assert EngineConfig(model="m", quantization="fp8", tensor_parallel_size=2).quantization == "fp8"
     assert EngineConfig(model="m", quantization="fp8").quantization == "fp8"
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -172,3 +207,7 @@ def test_quantized_weights_take_half_the_bytes():
     after = sum(out[n].nbytes + out[quantization.scale_name(n)].nbytes for n in names)
     assert after < 0.6 * before
     assert jax.tree.leaves(out)  # the rest kept
+
+
+if __name__ == "__main__":
+    print(json.dumps(_tensor_parallel_child()))
