@@ -224,10 +224,9 @@ def test_ctrl_c_ends_the_server_and_its_engine_process_while_starting_or_serving
     if serving:
         proc = Server(api_key=None).proc
     else:  # Ctrl-C once the child runs jengine's code (it logs the KV cache's size), before it is ready
-        proc = subprocess.Popen([sys.executable, "-m", "jengine.cli", "serve", "jengine/tiny-llama", "--port",
+        proc = subprocess.Popen([sys.executable, "-c", CLI_WITH_CTRL_C, "serve", "jengine/tiny-llama", "--port",
                                  str(free_port()), *SMALL_ENGINE], env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=_sigint_by_default)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             if "KV cache:" in line:
                 break
@@ -255,11 +254,12 @@ def test_ctrl_c_ends_the_server_and_its_engine_process_while_starting_or_serving
         time.sleep(0.1)
 
 
-def _sigint_by_default() -> None:
-    """SIGINT as a terminal's Ctrl-C finds it: a suite run as a background job (`cmd &` in a script) ignores
-    SIGINT, its children inherit that, and Python then leaves it ignored (session 37: the server never saw
-    the Ctrl-C; /proc showed SigIgn with SIGINT's bit)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# `python -m jengine.cli` with SIGINT as a terminal's Ctrl-C finds it: a suite run as a background job (`cmd &` in a
+# script) ignores SIGINT, its children inherit that, and Python then leaves it ignored (session 37: the server never
+# saw the Ctrl-C; /proc showed SigIgn with SIGINT's bit). Set in the child's own code: a `preexec_fn` would make
+# subprocess fork this multithreaded (JAX) process, which Python warns against.
+CLI_WITH_CTRL_C = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "runpy.run_module('jengine.cli', run_name='__main__', alter_sys=True)")
 
 
 def _alive(pid: int) -> bool:
