@@ -7,7 +7,8 @@ batch 1) with its scales beside it as `<name>_scale`. The weights take half the 
 decode step streams. The embedding and the LM head stay in the model's dtype, as in vLLM.
 
 `fp8_linear` quantizes each row of x too (e4m3, a dynamic scale per token, as vLLM's fp8 does on Hopper) and
-multiplies two 8-bit operands: cuBLASLt's fp8 GEMM (twice bf16's FLOP rate) or a Triton one, as XLA picks. A
+multiplies two 8-bit operands: cuBLASLt's fp8 GEMM or a Triton one, as XLA picks (on an H100 10-33% less time than
+bf16 from 256 rows; RESULTS.md, session 38). A
 token's rounding depends on its own row only, so quantizing adds no dependence on the batch (the buckets' GEMMs
 still sum in orders of their own). Under tensor parallelism the values keep their weight's split and the scales
 follow the output columns; a row-parallel GEMM's x rows take their largest values across the shards. Converting
