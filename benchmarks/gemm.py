@@ -25,6 +25,7 @@ from jengine.kernels_pallas import swiglu_matmul
 from jengine.runner import CUBLAS_OPTIONS as CUBLAS  # what the engine compiles buckets of >= 64 tokens with
 
 CUBLASLT = {**CUBLAS, "xla_gpu_enable_cublaslt": True}
+TRITON_ONLY = {"xla_gpu_cublas_fallback": False}  # the autotuner keeps to its Triton GEMMs
 
 
 SWIGLU_CONFIGS = [swiglu_matmul.SwigluConfig(), swiglu_matmul.SwigluConfig(approx_math=False),
@@ -84,6 +85,7 @@ def fp8_impls(x, w):
 
     return [("fp8 w8a8 autotuned", fp8_linear, (x, q, s), None),
             ("fp8 w8a8 cublas", fp8_linear, (x, q, s), CUBLAS),
+            ("fp8 w8a8 triton only", fp8_linear, (x, q, s), TRITON_ONLY),
             ("fp8 w8a16 [N,K] autotuned", w8a16, (x, q, s), None),
             ("fp8 w8a16 [K,N] autotuned", w8a16_kn, (x, kn, s), None)]
 
@@ -137,6 +139,7 @@ def main(argv=None):
             # (name, fn, args, XLA options); the weight is the rotated operand
             impls = [("xla cublas", lambda x, w: x @ w, (x, w), CUBLAS),
                      ("xla autotuned", lambda x, w: x @ w, (x, w), None),
+                     ("xla triton only", lambda x, w: x @ w, (x, w), TRITON_ONLY),
                      ("xla cublaslt", lambda x, w: x @ w, (x, w), CUBLASLT),
                      ("xla cublas, w as [N, K]", lambda x, wt: x @ wt.T, (x, w.T.copy()), CUBLAS)]
             if a.fp8:

@@ -64,6 +64,15 @@ def forward_compiler_options(num_tokens: int) -> dict | None:
     return dict(CUBLAS_OPTIONS)
 
 
+# Loaded copies of each decode bucket's forward, which take the bucket's steps in turn. XLA re-records a
+# CUDA graph (~3 µs of host time per command, 1.4 ms for the 8B forward's 422) whenever a buffer it uses
+# moved since its last run, and a step's temporaries are allocated per run: while earlier steps are still
+# on the device, they cycle through a few places. A copy whose turn comes every `FORWARD_COPIES` steps finds
+# them where it left them when the cycle's length divides it. On an H100 (RESULTS.md, session 39) the 8B
+# batch-1 forward re-recorded in 88% of its steps with 2 copies (and with 3 or 6), in 4% with 4: the
+# temporaries' cycle was 4 steps long there (2 at batch 64, session 22, and for the fp8 forward).
+FORWARD_COPIES = 4
+
 PROMPT_LOGPROBS_CHUNK = 256  # tokens whose [C, V] logits exist at once when prompt logprobs are asked for
 
 
@@ -186,13 +195,13 @@ class ModelRunner:
         self.prev_ids = self._put(np.zeros(self.max_seqs, np.int32))
         self.logits_buffers: dict[int, jax.Array] = {}  # S -> the buffer the forward writes its logits over
         self.hidden_buffers: dict[int, jax.Array] = {}  # T -> the same for its hidden states
-        # Whether programs run as CUDA graphs (GPUs). Only then are decode buckets' forwards twinned
-        # (elsewhere a program has no graph, and on the CPU a copy of one JAX loaded from its cache would
+        # Whether programs run as CUDA graphs (GPUs). Only then are decode buckets' forwards loaded
+        # `FORWARD_COPIES` times (elsewhere a program has no graph, and on the CPU a copy of one JAX loaded from its cache would
         # not run), and does warm-up run every program once (a first run records the graphs, tens of ms of
         # host time, `ProgramBuilder._run_every_program`; on the CPU running the largest buckets costs
         # more than it saves).
         self.graphs = stores_loaded_executables()
-        self.twins: dict[tuple, jax.stages.Compiled] = {}  # layout -> the forward's second copy
+        self.copies: dict[tuple, tuple] = {}  # layout -> the forward's other loaded copies (`FORWARD_COPIES`)
         self._runs: collections.Counter = collections.Counter()  # layout -> steps so far
         self._forward = jax.jit(functools.partial(_forward, cfg=cfg, mesh=mesh), donate_argnums=(1, 5, 6),
                                 keep_unused=True, static_argnames=("layout",), **fwd)  # kept: the output buffers
@@ -262,10 +271,10 @@ class ModelRunner:
         bucket = (inp.model.token_ids.shape[0], inp.logits_indices.shape[0])
         ints, floats, layout = pack(dataclasses.replace(inp, sampling=None))
         forward = self.program("forward", layout)
-        twin = self.twins.get(layout)
+        copies = self.copies.get(layout)
+        if copies:  # the copies take the bucket's steps in turn
+            forward = (forward, *copies)[self._runs[layout] % (1 + len(copies))]
         self._runs[layout] += 1
-        if twin is not None and self._runs[layout] % 2:
-            forward = twin
         self.kv_caches, logits, hidden = forward(self.params, self.kv_caches, ints, floats, self.prev_ids,
                                                  *self.output_buffers(bucket))
         self.logits_buffers[bucket[1]], self.hidden_buffers[bucket[0]] = logits, hidden

@@ -24,7 +24,7 @@ from jengine import build_helpers
 from jengine.executable_cache import ExecutableCache, describe, reload, source_digest
 from jengine.generate import hidden_states_program
 from jengine.models import get_model_family
-from jengine.runner import SAMPLER_VARIANTS, ModelRunner, forward_compiler_options
+from jengine.runner import FORWARD_COPIES, SAMPLER_VARIANTS, ModelRunner, forward_compiler_options
 from jengine.sampling_tables import SamplerSwitches, build_sampling_tensors, program_inputs
 from jengine.step_input import pack
 
@@ -37,8 +37,8 @@ def _default_workers() -> int:
 
 
 class ProgramBuilder:
-    """Builds `runner`'s programs, filling its compiled programs (and the second copies of twinned
-    forwards, see `ModelRunner`) before the first step; keeps warm-up's report.
+    """Builds `runner`'s programs, filling its compiled programs (and the other copies of copied
+    forwards, see `FORWARD_COPIES`) before the first step; keeps warm-up's report.
 
     `executable_cache`: where warm-up loads compiled programs from and stores them (None: compile all).
     """
@@ -69,9 +69,9 @@ class ProgramBuilder:
         inputs = [params_text if arg is runner.params else describe(arg) for arg in args]
         return cache.key(program, inputs, closure=closure, statics=statics, compiler_options=compiler_options)
 
-    def _start_builds(self, programs, pool: concurrent.futures.Executor, twinned=frozenset()) -> list[tuple]:
+    def _start_builds(self, programs, pool: concurrent.futures.Executor, copied=frozenset()) -> list[tuple]:
         """Starts each `(name, key, trace, compiler options)` of `programs` in `pool`: a load where the
-        executable cache holds the key (and a second one for a name in `twinned`), else a compile of
+        executable cache holds the key (and one per other copy for a name in `copied`), else a compile of
         the program that `trace()` traces. This thread traces and lowers those, one at a time in the
         given order, while the pool loads and compiles: lowering is Python (it holds the GIL anyway),
         and the module text must not depend on what other threads lower meanwhile, since the persistent
@@ -80,27 +80,27 @@ class ProgramBuilder:
         cache, builds = self.executable_cache, []
         for name, key, trace, opts in programs:
             stored = key is not None and cache.contains(key)
-            if stored:  # a twinned forward's second copy loads from the entry too, alongside the first
+            copies = FORWARD_COPIES - 1 if name in copied else 0
+            if stored:  # a copied forward's other copies load from the entry too, alongside the first
                 job = pool.submit(cache.load, key)
-                twin = pool.submit(cache.load, key) if name in twinned else None
+                others = [pool.submit(cache.load, key) for _ in range(copies)]
             else:
-                job, twin = pool.submit(self._compile_lowered, trace().lower(), opts, key), None
-            builds.append((name, key, trace, opts, stored, job, twin, name in twinned))
+                job, others = pool.submit(self._compile_lowered, trace().lower(), opts, key), [None] * copies
+            builds.append((name, key, trace, opts, stored, job, others))
         return builds
 
     def _finish_builds(self, builds: list[tuple], pool: concurrent.futures.Executor):
-        """`(name, executable, future of its second copy or None)` per build, in order. An entry that
-        would not load is compiled (and stored again) after all; a twinned program compiled here gets
-        its second copy by `reload`."""
-        for name, key, trace, opts, stored, job, twin, twinned in builds:
+        """`(name, executable, futures of its other copies)` per build, in order. An entry that would not
+        load is compiled (and stored again) after all; a copy that did not load (or of a program compiled
+        here) is made by `reload`."""
+        for name, key, trace, opts, stored, job, others in builds:
             compiled = job.result()
             if stored and compiled is not None:
                 self.executable_cache_hits += 1
             elif stored:
                 compiled = self._compile_lowered(trace().lower(), opts, key)
-            if twinned and (twin is None or twin.result() is None):
-                twin = pool.submit(reload, compiled)
-            yield name, compiled, twin
+            yield name, compiled, [pool.submit(reload, compiled) if f is None or f.result() is None else f
+                                   for f in others]
 
     def _compile_lowered(self, lowered: jax.stages.Lowered, compiler_options: dict | None, key: str | None):
         cache = self.executable_cache
@@ -161,11 +161,11 @@ class ProgramBuilder:
         # Mosaic GPU kernels most of it). Lowered last instead, their compiles piled up after the
         # forwards': the engine started ~10 s later (RESULTS.md, session 25).
         started = time.perf_counter()
-        forwards, logits_of, hidden_of, twinned = [], {}, {}, set()
+        forwards, logits_of, hidden_of, copied = [], {}, {}, set()
         for bucket in buckets:
             layout, args = runner.forward_args(bucket)
-            if self._twinned(bucket):
-                twinned.add(("forward", layout))
+            if self._copied(bucket):
+                copied.add(("forward", layout))
             logits_of.setdefault(bucket[1], args[-2])
             hidden_of.setdefault(bucket[0], args[-1])
             forwards.append(self._forward_build(bucket, layout, args))
@@ -187,7 +187,7 @@ class ProgramBuilder:
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             try:
-                builds = self._start_builds(itertools.chain(samplers(), prompt_logprobs(), forwards), pool, twinned)
+                builds = self._start_builds(itertools.chain(samplers(), prompt_logprobs(), forwards), pool, copied)
             except BaseException:
                 if handle is not None:
                     handle.stop()
@@ -197,15 +197,15 @@ class ProgramBuilder:
                 self.build_helpers_started = handle.count
                 self.build_helpers_finished = handle.wait()
                 self.build_helpers_wait_seconds = time.perf_counter() - started - self.warmup_lowering_seconds
-                builds += self._start_builds(later, pool, twinned)
-            twins = {}
-            for name, compiled, twin in self._finish_builds(builds, pool):
+                builds += self._start_builds(later, pool, copied)
+            copies = {}
+            for name, compiled, others in self._finish_builds(builds, pool):
                 runner.compiled[name] = compiled
-                if twin is not None:
-                    twins[name[1]] = twin
+                if others:
+                    copies[name[1]] = others
                 if name[0] == "forward":
                     bar.update()
-            runner.twins.update((layout, job.result()) for layout, job in twins.items())
+            runner.copies.update((layout, tuple(f.result() for f in jobs)) for layout, jobs in copies.items())
         bar.close()
         if cache is not None:
             logger.info("executable cache: %d of %d programs loaded from %s", self.executable_cache_hits,
@@ -221,8 +221,9 @@ class ProgramBuilder:
         jax.block_until_ready(runner.kv_caches)
         return len(buckets)
 
-    def _twinned(self, bucket: tuple[int, int]) -> bool:
-        """Whether warm-up loads a second copy of this bucket's forward (decode-sized buckets on GPUs)."""
+    def _copied(self, bucket: tuple[int, int]) -> bool:
+        """Whether warm-up loads `FORWARD_COPIES` copies of this bucket's forward (decode-sized buckets on
+        GPUs)."""
         return self.runner.graphs and bucket[0] <= self.runner.max_seqs
 
     def _dummy_sampling(self, num_seqs: int, variant: SamplerSwitches):
@@ -235,7 +236,7 @@ class ProgramBuilder:
 
     def _run_every_program(self, buckets: list[tuple[int, int]]) -> None:
         """Run every program of `buckets` once, on padding-only inputs (which read and write no page):
-        each bucket's forward (both copies of a twinned one) with prompt logprobs once per T, and every
+        each bucket's forward (every copy of a copied one) with prompt logprobs once per T, and every
         sampler variant per S. An executable's first run costs the host tens of ms (XLA records and
         instantiates its CUDA graphs); run here, that is start-up time instead of a stall at the first
         step of each bucket (on an H200 the throughput run lost ~0.1 s to them, RESULTS.md session 23).
@@ -245,7 +246,7 @@ class ProgramBuilder:
         with_logprobs = set()
         for bucket in buckets:
             inp = runner.dummy_input(*bucket)
-            for _ in range(2 if self._twinned(bucket) else 1):
+            for _ in range(FORWARD_COPIES if self._copied(bucket) else 1):
                 runner.execute(inp, prompt_logprobs=bucket[0] not in with_logprobs)
                 with_logprobs.add(bucket[0])
         for num_seqs in sorted({s for _, s in buckets}):

@@ -65,9 +65,9 @@ def test_steps_leave_every_buffer_where_the_last_run_left_it(llm):
     assert _addresses(runner) == before
 
 
-# Twins forced on the CPU, in a process with no compilation cache: a CPU copy of an executable that JAX
+# Copied forwards forced on the CPU, in a process with no compilation cache: a CPU copy of an executable that JAX
 # loaded from its persistent cache would lack its kernels, and in this process earlier tests enabled it.
-_TWIN_SCRIPT = """
+_COPIES_SCRIPT = """
 import json
 import jengine.runner
 jengine.runner.stores_loaded_executables = lambda: True
@@ -78,30 +78,33 @@ runner = llm.engine.runner
 forwards = {key[1]: c for key, c in runner.compiled.items() if key[0] == "forward"}
 decode = {runner.trace_forward(b)[0][1] for b in runner.buckets() if b[0] <= runner.max_seqs}  # (4, S) buckets
 runs = dict(runner._runs)
-warm = all(runs.get(k) == 2 for k in decode) and all(runs.get(k) == 1 for k in set(forwards) - decode)
-outs = llm.generate(%r, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-print(json.dumps({"twins": runner.graphs and set(runner.twins) == decode and len(forwards) > len(decode),
-                  "distinct": all(runner.twins[k] is not forwards[k] for k in decode),
+n = jengine.runner.FORWARD_COPIES
+warm = all(runs.get(k) == n for k in decode) and all(runs.get(k) == 1 for k in set(forwards) - decode)
+outs = llm.generate(%r, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+print(json.dumps({"copied": runner.graphs and set(runner.copies) == decode and len(forwards) > len(decode),
+                  "distinct": all(len({id(c) for c in (forwards[k], *runner.copies[k])}) == n for k in decode),
+                  "copies": n,
                   "warm": warm,
                   "most_runs": max(runner._runs[k] - runs.get(k, 0) for k in runner._runs),
                   "tokens": [o.outputs[0].token_ids for o in outs]}))
 """
 
 
-def test_twin_forwards_take_turns_and_give_the_same_tokens(llm):
-    """On GPUs the forward of each bucket decode steps can use is loaded twice, and the bucket's steps
-    alternate between the copies (each keeps its own CUDA graph); the tokens are those of one copy alone."""
+def test_copied_forwards_take_turns_and_give_the_same_tokens(llm):
+    """On GPUs the forward of each bucket decode steps can use is loaded `FORWARD_COPIES` times, and the
+    bucket's steps take the copies in turn (each keeps its own CUDA graph); the tokens are those of one
+    copy alone."""
     prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
-    proc = subprocess.run([sys.executable, "-P", "-c", _TWIN_SCRIPT % (prompts,)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-P", "-c", _COPIES_SCRIPT % (prompts,)], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    twins = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert twins["twins"] and twins["distinct"]
-    assert twins["warm"]  # warm-up ran each copy of a twinned forward once, and every other forward once
-    assert twins["most_runs"] >= 4  # a bucket ran on both copies, twice
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert twins["tokens"] == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    copies = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert copies["copied"] and copies["distinct"] and copies["copies"] >= 2
+    assert copies["warm"]  # warm-up ran each copy of a copied forward once, and every other forward once
+    assert copies["most_runs"] >= 2 * copies["copies"]  # a bucket ran on every copy, twice
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert copies["tokens"] == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("num_tokens", [16, 48, 50])
