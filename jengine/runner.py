@@ -196,10 +196,10 @@ class ModelRunner:
         self.logits_buffers: dict[int, jax.Array] = {}  # S -> the buffer the forward writes its logits over
         self.hidden_buffers: dict[int, jax.Array] = {}  # T -> the same for its hidden states
         # Whether programs run as CUDA graphs (GPUs). Only then are decode buckets' forwards loaded
-        # `FORWARD_COPIES` times (elsewhere a program has no graph, and on the CPU a copy of one JAX loaded from its cache would
-        # not run), and does warm-up run every program once (a first run records the graphs, tens of ms of
-        # host time, `ProgramBuilder._run_every_program`; on the CPU running the largest buckets costs
-        # more than it saves).
+        # `FORWARD_COPIES` times (elsewhere a program has no graph, and on the CPU a copy of one JAX loaded
+        # from its cache would not run), and does warm-up run every program once (a first run records the
+        # graphs, tens of ms of host time, `ProgramBuilder._run_every_program`; on the CPU running the
+        # largest buckets costs more than it saves).
         self.graphs = stores_loaded_executables()
         self.copies: dict[tuple, tuple] = {}  # layout -> the forward's other loaded copies (`FORWARD_COPIES`)
         self._runs: collections.Counter = collections.Counter()  # layout -> steps so far
