@@ -237,6 +237,11 @@ class LLMEngine:
             self._guided.discard(child.request.request_id)
             self._history.discard(child.request.request_id)
 
+    def prepare_structured_outputs(self) -> None:
+        """Make the grammar compiler now, on a worker thread, instead of at the first request with structured
+        outputs, whose making would stall the running requests ~1.5 s (`GuidedRequests.prepare`)."""
+        self._guided.prepare()
+
     def num_unfinished_requests(self) -> int:
         return len(self._groups)
 

@@ -64,8 +64,11 @@ def build_serving_engine(config, progress: bool, devices=None) -> tuple[Any, int
 
     # (a cold start's build helpers store the embedding programs beside the forwards)
     engine = build_engine(config, progress=progress, devices=devices, embedding_programs=True)
+    replicas = getattr(engine, "replicas", [engine])
+    for replica in replicas:  # the grammar compiler made while the embedding programs load, not at a request
+        replica.prepare_structured_outputs()
     # /v1/embeddings must not compile while serving (data-parallel replicas embed on replica 0)
-    return engine, pooling.warmup(getattr(engine, "replicas", [engine])[0])
+    return engine, pooling.warmup(replicas[0])
 
 
 # ---------------------------------------------------------------------- the wire format of outputs

@@ -291,6 +291,7 @@ class GuidedRequests:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids=()):
         self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
         self._compiler: GrammarCompiler | None = None
+        self._building: Future | None = None  # the compiler, made on the worker (`prepare`)
         self._worker: ThreadPoolExecutor | None = None
         self._filling: tuple | None = None  # (entries, num_rows, future bitmask) started by advance_many
         self.matchers: dict[str, llguidance.LLMatcher] = {}
@@ -307,10 +308,21 @@ class GuidedRequests:
         if self._tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer; this model has none")
         if self._compiler is None:
-            self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._eos)
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="jengine-grammar")
+            self.prepare()
+            self._compiler = self._building.result()  # its ValueError (a tokenizer without EOS) is the request's
         grammar = self._compiler.grammar(so)
         return [self._compiler.matcher(grammar) for _ in range(params.n)]
+
+    def prepare(self) -> None:
+        """Start making the grammar compiler on the worker thread, unless started (or there is no tokenizer).
+        llguidance's view of a tokenizer takes ~1.5 s for a 128k vocabulary, holding Python's lock (RESULTS.md,
+        session 36): made at the first guided request, on the engine thread, it stalls every running request. A
+        server starts it once its engine is built (`LLMEngine.prepare_structured_outputs`); otherwise the first
+        guided request does, and waits for it."""
+        if self._tokenizer is None or self._building is not None:
+            return
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="jengine-grammar")
+        self._building = self._worker.submit(GrammarCompiler, self._tokenizer, self._vocab_size, self._eos)
 
     def add(self, request_id: str, matcher) -> None:
         if matcher is not None:

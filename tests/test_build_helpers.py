@@ -141,7 +141,9 @@ config = EngineConfig(model="jengine/tiny-llama", max_model_len=128, max_num_seq
                       token_buckets=(16, 32, 64), seq_buckets=(2, 4), compilation_cache_dir=sys.argv[1],
                       num_gpu_blocks_override=64)
 engine, programs = build_serving_engine(config, progress=False)
-print(json.dumps({"hits": engine.builder.executable_cache_hits, "programs": programs}))
+compiler = engine._guided._building  # a server makes the grammar compiler before requests come
+print(json.dumps({"hits": engine.builder.executable_cache_hits, "programs": programs,
+                  "grammar_compiler": compiler is not None and compiler.result() is not None}))
 """
 
 
@@ -152,4 +154,4 @@ def test_helpers_also_store_the_servers_embedding_programs(tmp_path):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     # 3 forwards and 4 embedding programs (padded lengths 16-128): warm-up builds one forward (its share,
     # 7 // 5 programs), the helpers the rest, which the engine and pooling.warmup load
-    assert got == {"hits": 6, "programs": 4}
+    assert got == {"hits": 6, "programs": 4, "grammar_compiler": True}

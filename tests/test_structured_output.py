@@ -4,6 +4,7 @@ byte tokenizer: token b < 256 is byte b, so the expected sets can be written out
 
 from __future__ import annotations
 
+import copy
 import re
 
 import numpy as np
@@ -226,3 +227,45 @@ def test_a_step_s_tokens_and_the_next_bitmask_are_handled_on_the_worker_thread(m
     # a step built without that prefetch fills on the engine thread, after the worker is done
     again = guided.bitmask(entries[:1], 2)
     assert threads[-1] == threading.current_thread().name and (again[0] == table[0]).all()
+
+
+def test_prepare_makes_the_compiler_on_the_worker_and_the_first_request_takes_it(monkeypatch):
+    """A server makes the grammar compiler (seconds for a large vocabulary) before requests come, on the worker
+    thread; the first guided request then uses that one instead of making its own on the engine thread."""
+    import threading
+
+    import jengine.structured_output as so_module
+    from jengine.structured_output import GuidedRequests
+
+    made = []
+    real = so_module.GrammarCompiler
+    monkeypatch.setattr(so_module, "GrammarCompiler",
+                        lambda *a, **k: made.append(threading.current_thread().name) or real(*a, **k))
+    guided = GuidedRequests(load_tokenizer("jengine/tiny-llama"), V, EOS)
+    guided.prepare()
+    guided.prepare()  # once is enough
+    assert guided._building.result() is not None and made == ["jengine-grammar_0"]
+    params = SamplingParams(structured_outputs={"choice": ["ab", "ax"]})
+    matchers = guided.new_matchers(params)
+    assert made == ["jengine-grammar_0"] and len(matchers) == 1 and not matchers[0].is_error()
+    # without prepare, the first guided request makes it (and waits for it)
+    lazy = GuidedRequests(load_tokenizer("jengine/tiny-llama"), V, EOS)
+    assert lazy.new_matchers(SamplingParams()) == [None] and len(made) == 1  # an unguided request makes nothing
+    assert len(lazy.new_matchers(params)) == 1 and len(made) == 2
+
+
+def test_prepare_without_a_tokenizer_or_an_end_token_leaves_the_error_to_the_request():
+    from jengine.structured_output import GuidedRequests
+
+    params = SamplingParams(structured_outputs={"choice": ["ab"]})
+    none = GuidedRequests(None, V, EOS)
+    none.prepare()  # nothing to make
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        none.new_matchers(params)
+    tokenizer = copy.deepcopy(load_tokenizer("jengine/tiny-llama"))
+    tokenizer.eos_token = None
+    no_eos = GuidedRequests(tokenizer, V, (V + 5,))  # the model's end id is past the tokenizer's tokens
+    no_eos.prepare()  # fails on the worker, quietly
+    for _ in range(2):  # every guided request is refused the same way; the engine goes on
+        with pytest.raises(ValueError, match="end-of-sequence"):
+            no_eos.new_matchers(params)
