@@ -58,6 +58,46 @@ class RopeConfig:
             raise ValueError("partial_rotary_factor != 1 is not supported for the Llama family")
 
 
+# Pre-quantized checkpoints jengine reads (config.json's `quantization_config`): 8-bit e4m3 weights with a scale
+# per output channel or per tensor, `w = weight * weight_scale`, as vLLM's "fp8" serialization and the
+# compressed-tensors "float-quantized" FP8 checkpoints (e.g. the FP8-dynamic Llamas) store them. Activations are
+# quantized per token at run time whatever the checkpoint says (its static `input_scale`s are not read).
+
+
+def checkpoint_quantization(config) -> str | None:
+    """The weight quantization a checkpoint's `quantization_config` (None or a dict) says its tensors hold: None
+    or "fp8". A ValueError names what jengine cannot read (another method, block-wise scales, integer or 4-bit
+    weights) instead of letting those tensors load as plain weights."""
+    if not config:
+        return None
+    if not isinstance(config, dict):
+        raise ValueError(f"config.json's quantization_config must be an object, got {type(config).__name__}")
+    method = config.get("quant_method")
+    refused = (f"config.json's quantization_config (quant_method {method!r}) is not one jengine reads: it loads "
+               "8-bit float (e4m3) weights with per-channel or per-tensor scales (quant_method 'fp8', or "
+               "'compressed-tensors' in its float-quantized format); load the unquantized model with "
+               "quantization='fp8' instead")
+    if method == "fp8":
+        if config.get("weight_block_size") is not None:
+            raise ValueError(f"{refused} (block-wise scales, weight_block_size {config['weight_block_size']})")
+        return "fp8"
+    if method != "compressed-tensors":
+        raise ValueError(refused)
+    groups = config.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{refused} (no config_groups)")
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(weights, dict):
+            raise ValueError(f"{refused} (config group {name!r} has no weights scheme)")
+        scheme = (weights.get("num_bits"), weights.get("type"), weights.get("strategy"))
+        if scheme[:2] != (8, "float") or scheme[2] not in ("channel", "tensor") or weights.get("symmetric") is False:
+            raise ValueError(f"{refused} (config group {name!r}: weights {scheme[0]}-bit {scheme[1]}, "
+                             f"strategy {scheme[2]!r})")
+    return "fp8"
+
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Static description of a decoder-only transformer of the Llama family."""
@@ -116,12 +156,7 @@ class ModelConfig:
         if not archs or not isinstance(archs, list):
             raise ValueError("config.json has no 'architectures' list; cannot tell which model to build")
         arch = archs[0]
-        if raw.get("quantization_config"):
-            # its tensors are quantized values with scales beside them; read as plain weights they would be wrong
-            method = raw["quantization_config"].get("quant_method", "?") if isinstance(
-                raw["quantization_config"], dict) else "?"
-            raise ValueError(f"config.json has a quantization_config (quant_method {method!r}): pre-quantized "
-                             "checkpoints are not supported; load the unquantized model with quantization='fp8'")
+        checkpoint_quantization(raw.get("quantization_config"))  # a scheme jengine cannot read fails here
 
         def need(key):
             if key not in raw:

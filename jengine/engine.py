@@ -29,7 +29,7 @@ from jengine.models import get_model_family
 from jengine.outputs import RequestOutput
 from jengine.penalty_window import PenaltyWindow
 from jengine.prompts import tokenize_prompt, truncated
-from jengine.quantization import linear_weights, quantize
+from jengine.quantization import linear_weights, quantize, scale_name
 from jengine.request import PLACEHOLDER, Request
 from jengine.request_groups import Child, Group, make_output
 from jengine.runner import ModelRunner, to_host
@@ -100,9 +100,11 @@ class LLMEngine:
         generation = load_generation_config(config.generation_config, config.model, config.override_generation_config)
         checkpoint_cfg, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
                                             seed=config.seed, mesh=mesh)
-        if config.quantization is not None:
+        if config.quantization is not None:  # what a pre-quantized checkpoint left in 16 bits (`loader`)
             specs = get_model_family(checkpoint_cfg.architecture).weight_specs(checkpoint_cfg)
-            params = quantize(params, linear_weights(specs), config.quantization)
+            plain = [name for name in linear_weights(specs) if scale_name(name) not in params]
+            if plain:
+                params = quantize(params, plain, config.quantization)
         # The generation config's EOS ids end requests too (scheduler, sampler, beam search, the server's
         # checks); the compiled programs never read them, so they are built from (and cached under) the
         # checkpoint's config alone.

@@ -5,6 +5,8 @@ checks their shapes, transposes and fuses them, and casts to the requested dtype
 With a tensor-parallel `mesh`, each weight goes straight into its shards (`jengine.sharding`): from
 host numpy slices for safetensors, generated per shard for dummy weights, restored per shard from Orbax;
 fused weights are put in the TP layout on the way. No device ever holds a full copy of a split weight.
+A pre-quantized fp8 checkpoint's 8-bit linear weights load as they are, with their scales
+(`load_safetensors`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors ca
 import numpy as np
 from safetensors import safe_open
 
-from jengine.config import ModelConfig, normalize_dtype
+from jengine.config import ModelConfig, checkpoint_quantization, normalize_dtype
 from jengine.models import WeightSpec, get_model_family
 from jengine.presets import resolve_model
+from jengine.quantization import FP8_DTYPE, linear_weights, quantize, scale_name
 from jengine.sharding import (
     TP,
     check_tensor_parallel,
@@ -62,11 +65,21 @@ def load_model(model: str, dtype: str | None = None, load_format: str = "auto",
         layout = TensorParallelLayout(cfg, specs, mesh)
     if load_format == "auto":
         load_format = detect_format(model_dir, is_preset)
-    if load_format == "dummy":
-        return cfg, dummy_params(specs, cfg.dtype, seed, layout)
+    quantized = checkpoint_quantization(_raw_config(model_dir).get("quantization_config"))
+    if load_format == "dummy":  # random weights quantized as the checkpoint's would be
+        params = dummy_params(specs, cfg.dtype, seed, layout)
+        return cfg, quantize(params, linear_weights(specs), quantized) if quantized else params
     if load_format == "orbax":
+        if quantized:
+            raise ValueError(f"{model_dir!r} holds a pre-quantized ({quantized}) model: it loads from its "
+                             "safetensors files, not from an Orbax checkpoint")
         return cfg, load_orbax(os.path.join(model_dir, ORBAX_DIR), specs, cfg.dtype, layout)
     return cfg, load_safetensors(model_dir, specs, cfg.dtype, layout)
+
+
+def _raw_config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
 
 
 class TensorParallelLayout:
@@ -154,29 +167,41 @@ def _sharded_init(init, shape, dtype, parts, tp, head_dim, sharding):
 
 def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
                      layout: TensorParallelLayout | None = None) -> dict[str, jax.Array]:
-    """Read, check, fuse and cast every tensor the specs name; unused checkpoint tensors are ignored."""
+    """Read, check, fuse and cast every tensor the specs name; unused checkpoint tensors are ignored.
+
+    A linear layer's 8-bit (e4m3) tensor, in a pre-quantized checkpoint, loads as it is with its scale beside it
+    (`<module>.weight_scale`, per output channel or per tensor), in `jengine.quantization`'s layout: values
+    `[out, in]` and f32 scales `[out]` (`scale_name`), fused and split over a mesh as that module's quantized
+    weights are."""
     files = _tensor_files(model_dir)
-    handles: dict[str, object] = {}
+    handles: dict[str, _Tensors] = {}
+
+    def read(hf_name: str, for_name: str, shape=None) -> np.ndarray:
+        if hf_name not in files:
+            raise ValueError(f"checkpoint in {model_dir!r} is missing tensor {hf_name!r} (for {for_name})")
+        path = files[hf_name]
+        if path not in handles:
+            handles[path] = _Tensors(path)
+        array = handles[path].get(hf_name, model_dir)
+        if shape is not None and tuple(array.shape) != tuple(shape):
+            raise ValueError(f"tensor {hf_name!r} has shape {tuple(array.shape)}, but config.json implies "
+                             f"{tuple(shape)}")
+        return array
+
     params = {}
     try:
         for name, spec in specs.items():
-            parts = []
-            for hf_name, hf_shape in spec.sources:
-                if hf_name not in files:
-                    raise ValueError(f"checkpoint in {model_dir!r} is missing tensor {hf_name!r} (for {name})")
-                path = files[hf_name]
-                if path not in handles:
-                    handles[path] = safe_open(path, framework="numpy")
-                if hf_name not in handles[path].keys():  # a wrong sharded index; safetensors would raise its own error
-                    raise ValueError(f"{_INDEX} in {model_dir!r} maps tensor {hf_name!r} to "
-                                     f"{os.path.basename(path)}, which does not hold it")
-                array = handles[path].get_tensor(hf_name)
-                if tuple(array.shape) != tuple(hf_shape):
-                    raise ValueError(
-                        f"tensor {hf_name!r} has shape {tuple(array.shape)}, but config.json implies "
-                        f"{tuple(hf_shape)}"
-                    )
-                parts.append(array.T if spec.transpose else array)
+            arrays = [read(hf_name, name, hf_shape) for hf_name, hf_shape in spec.sources]
+            eight_bit = [a.dtype == FP8_DTYPE for a in arrays]
+            if any(eight_bit):
+                if not (all(eight_bit) and spec.transpose and len(spec.shape) == 2):
+                    raise ValueError(f"checkpoint in {model_dir!r}: {name} reads 8-bit tensors "
+                                     f"{[h for h, _ in spec.sources]} only where every part of a linear layer is 8-bit")
+                scales = [_channel_scales(read(h + SCALE_SUFFIX_HF, name), a.shape[0], h + SCALE_SUFFIX_HF)
+                          for (h, _), a in zip(spec.sources, arrays)]
+                params.update(_fp8_param(name, np.concatenate(arrays, axis=0), np.concatenate(scales), layout))
+                continue
+            parts = [a.T if spec.transpose else a for a in arrays]
             array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
             if layout is not None:
                 params[name] = layout.from_host(name, array, dtype)
@@ -185,6 +210,69 @@ def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
     finally:
         handles.clear()
     return params
+
+
+SCALE_SUFFIX_HF = "_scale"  # `<module>.weight`'s scale tensor is `<module>.weight_scale`
+
+
+def _channel_scales(scale: np.ndarray, rows: int, hf_name: str) -> np.ndarray:
+    """A checkpoint's weight scale as one f32 per output channel: from `[rows]`/`[rows, 1]` (per channel) or
+    `[]`/`[1]` (per tensor)."""
+    if scale.size == 1:
+        return np.full(rows, np.float32(scale.reshape(())), np.float32)
+    if scale.shape in ((rows,), (rows, 1)):
+        return scale.reshape(rows).astype(np.float32)
+    raise ValueError(f"scale tensor {hf_name!r} has shape {tuple(scale.shape)}: jengine reads per-channel "
+                     f"([{rows}] or [{rows}, 1]) or per-tensor scales, not block-wise ones")
+
+
+def _fp8_param(name: str, values: np.ndarray, scales: np.ndarray, layout) -> dict[str, jax.Array]:
+    """A quantized weight's values `[out, in]` and scales `[out]` as params: on one device, or permuted into the
+    TP layout (the weight's output columns, here rows) and split as `quantization.fp8_weight` splits them."""
+    if layout is None:
+        return {name: jnp.asarray(values), scale_name(name): jnp.asarray(scales)}
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    parts = layout.parts(name)
+    if parts:
+        values = to_tp_layout(values.T, parts, layout.tp, layout.cfg.head_dim).T
+        scales = to_tp_layout(scales[None], parts, layout.tp, layout.cfg.head_dim)[0]
+    sharding = layout.sharding(name)
+    rows, cols = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+    put = lambda x, spec: jax.make_array_from_callback(  # noqa: E731
+        x.shape, NamedSharding(sharding.mesh, spec), lambda index: np.ascontiguousarray(x[index]))
+    return {name: put(values, PartitionSpec(cols, rows)), scale_name(name): put(scales, PartitionSpec(cols))}
+
+
+class _Tensors:
+    """One safetensors file's tensors as numpy arrays. 8-bit float tensors are read here from the file's header
+    and bytes (safetensors' numpy reader looks their dtypes up in numpy, which has none); the rest by
+    safetensors."""
+
+    _FP8 = {"F8_E4M3": FP8_DTYPE}
+
+    def __init__(self, path: str):
+        self.path = path
+        self.handle = safe_open(path, framework="numpy")
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            self.header, self.start = json.loads(f.read(size)), 8 + size
+
+    def get(self, name: str, model_dir: str) -> np.ndarray:
+        info = self.header.get(name)
+        if info is None:  # a wrong sharded index; safetensors would raise its own error
+            raise ValueError(f"{_INDEX} in {model_dir!r} maps tensor {name!r} to {os.path.basename(self.path)}, "
+                             "which does not hold it")
+        if info["dtype"] not in self._FP8:
+            if info["dtype"].startswith("F8"):
+                raise ValueError(f"tensor {name!r} is {info['dtype']}: jengine reads 8-bit weights as e4m3 (F8_E4M3)")
+            return self.handle.get_tensor(name)
+        begin, end = info["data_offsets"]
+        dtype = np.dtype(self._FP8[info["dtype"]])
+        count = int(np.prod(info["shape"], dtype=np.int64))
+        if end - begin != count * dtype.itemsize:
+            raise ValueError(f"tensor {name!r} in {self.path!r}: {end - begin} bytes for shape {info['shape']}")
+        return np.fromfile(self.path, dtype=dtype, count=count, offset=self.start + begin).reshape(info["shape"])
 
 
 def _tensor_files(model_dir: str) -> dict[str, str]:
@@ -256,6 +344,9 @@ def _orbax_sharding(layout: TensorParallelLayout | None, name: str, spec: Weight
 def convert_to_orbax(model: str, out_dir: str, dtype: str | None = None, load_format: str = "auto") -> str:
     """`jengine convert`: load a model and write it as an Orbax checkpoint plus its config/tokenizer files."""
     model_dir, _ = resolve_model(model)
+    if checkpoint_quantization(_raw_config(model_dir).get("quantization_config")):
+        raise ValueError(f"{model!r} is a pre-quantized checkpoint: jengine loads it from its safetensors files "
+                         "and does not convert it to Orbax")
     cfg, params = load_model(model, dtype=dtype, load_format=load_format)
     if os.path.exists(os.path.join(out_dir, ORBAX_DIR)):
         raise ValueError(f"{out_dir!r} already holds an Orbax checkpoint; choose an empty directory")

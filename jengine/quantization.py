@@ -1,4 +1,5 @@
-"""Weight quantization at load time: vLLM's `quantization="fp8"` for an unquantized checkpoint.
+"""Weight quantization at load time: vLLM's `quantization="fp8"` for an unquantized checkpoint. (A checkpoint
+already quantized to fp8 loads into the same params: `jengine.loader`, `config.checkpoint_quantization`.)
 
 Each linear layer's weight `[in, out]` becomes 8-bit floats (e4m3) with one f32 scale per output column,
 `scale = max |w[:, j]| / 448` (448: e4m3's largest finite value), stored transposed (`[out, in]`, each column's

@@ -293,11 +293,16 @@ def test_config_is_frozen_and_replace_revalidates():
         cfg.replace(num_key_value_heads=3)
 
 
-def test_prequantized_checkpoints_are_refused_by_name():
-    """Their tensors are quantized values with scales beside them: read as plain weights they would be wrong."""
-    raw = llama_raw(quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
-    with pytest.raises(ValueError, match="quantization_config.*'fp8'.*quantization='fp8'"):
-        ModelConfig.from_hf_dict(raw)
+def test_prequantized_checkpoints_jengine_cannot_read_are_refused_by_name():
+    """Their tensors are quantized values with scales beside them: read as plain weights they would be wrong. 8-bit
+    float weights with per-channel or per-tensor scales load (tests/test_fp8_checkpoint.py); others fail here."""
+    for method in ("awq", "gptq", "bitsandbytes"):
+        with pytest.raises(ValueError, match=f"quantization_config.*'{method}'.*quantization='fp8'"):
+            ModelConfig.from_hf_dict(llama_raw(quantization_config={"quant_method": method, "bits": 4}))
+    with pytest.raises(ValueError, match="block-wise"):
+        ModelConfig.from_hf_dict(llama_raw(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 64]}))
     with pytest.raises(ValueError, match="quantization_config"):
         ModelConfig.from_hf_dict(llama_raw(quantization_config=["odd"]))
+    raw = llama_raw(quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    assert ModelConfig.from_hf_dict(raw).architecture == "LlamaForCausalLM"
     assert ModelConfig.from_hf_dict(llama_raw(quantization_config=None)).architecture == "LlamaForCausalLM"
