@@ -30,8 +30,9 @@ COMPRESSED = {"quant_method": "compressed-tensors", "format": "float-quantized",
                                             "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
                                                                   "dynamic": True}}}}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# (a fixed page count: on a GPU the engines alive at once would otherwise each size their cache to the free memory)
 ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 64),
-              seq_buckets=(4,), use_tqdm_on_load=False, compilation_cache_dir=None)
+              seq_buckets=(4,), use_tqdm_on_load=False, compilation_cache_dir=None, num_gpu_blocks_override=64)
 
 
 def _write_checkpoint(out, quantization_config, per_tensor=False, keep=(), scale_shape=None):
