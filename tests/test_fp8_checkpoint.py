@@ -17,7 +17,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from test_engine import FIXTURE, HF_CASES
-from test_quantization import _quantized
+from test_quantization import _quantized, assert_split_as_one_device
 
 from jengine import LLM, SamplingParams, quantization
 from jengine.loader import convert_to_orbax, load_model
@@ -135,11 +135,7 @@ def test_an_fp8_checkpoint_under_tensor_parallelism_generates_what_one_device_do
     proc = subprocess.run([sys.executable, "-P", "-c", _TP_SCRIPT, checkpoint, json.dumps(prompts)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["2"]["tokens"] == report["1"]["tokens"] and report["4"]["tokens"] == report["1"]["tokens"]
-    for tp in ("2", "4"):
-        specs = {name.split(".")[-1]: spec for name, spec in report[tp]["specs"].items()}
-        assert specs == {"qkv": ["tp", None], "qkv_scale": ["tp"], "down": [None, "tp"], "down_scale": [None]}, specs
+    assert_split_as_one_device(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 @pytest.mark.parametrize("config, message", [

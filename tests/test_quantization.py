@@ -178,11 +178,17 @@ def test_fp8_under_tensor_parallelism_generates_what_one_device_does():
     proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=500, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert_split_as_one_device(report)
+    assert set(report["1"]["specs"].values()) == {None}
+
+
+def assert_split_as_one_device(report: dict) -> None:
+    """A TP child's report (`{tp: {tokens, specs}}` for TP 1, 2 and 4): the same tokens at every size, and fp8
+    values split with their weight (axes swapped), scales with the output columns (whole beside down)."""
     assert report["2"]["tokens"] == report["1"]["tokens"] and report["4"]["tokens"] == report["1"]["tokens"]
     for tp in ("2", "4"):
         specs = {name.split(".")[-1]: spec for name, spec in report[tp]["specs"].items()}
         assert specs == {"qkv": ["tp", None], "qkv_scale": ["tp"], "down": [None, "tp"], "down_scale": [None]}, specs
-    assert set(report["1"]["specs"].values()) == {None}
 
 
 def test_quantization_is_validated():
