@@ -124,12 +124,16 @@ for tp in (1, 2, 4):
     out[tp] = dict(tokens=[o.outputs[0].token_ids for o in outs],
                    specs={n: list(getattr(params[n].sharding, "spec", [])) for n in (
                        "layers.0.qkv", "layers.0.qkv_scale", "layers.0.down", "layers.0.down_scale")})
+llm = LLM(sys.argv[1], data_parallel_size=2, **kw)
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+out["dp2"] = [o.outputs[0].token_ids for o in outs]
 print(json.dumps(out))
 """
 
 
 def test_an_fp8_checkpoint_under_tensor_parallelism_generates_what_one_device_does(checkpoint):
-    """The fixture has 2 kv heads: at TP 4 its fused qkv weight repeats them, values and scales alike."""
+    """The fixture has 2 kv heads: at TP 4 its fused qkv weight repeats them, values and scales alike. Two
+    data-parallel replicas read the checkpoint alike too."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     prompts = [list(p) for p, _ in HF_CASES]
     proc = subprocess.run([sys.executable, "-P", "-c", _TP_SCRIPT, checkpoint, json.dumps(prompts)],
