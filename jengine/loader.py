@@ -27,7 +27,7 @@ from safetensors import safe_open
 from jengine.config import ModelConfig, checkpoint_quantization, normalize_dtype
 from jengine.models import WeightSpec, get_model_family
 from jengine.presets import resolve_model
-from jengine.quantization import FP8_DTYPE, linear_weights, quantize, scale_name
+from jengine.quantization import FP8_DTYPE, fp8_shardings, linear_weights, quantize, scale_name
 from jengine.sharding import (
     TP,
     check_tensor_parallel,
@@ -197,7 +197,8 @@ def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
                 if not (all(eight_bit) and spec.transpose and len(spec.shape) == 2):
                     raise ValueError(f"checkpoint in {model_dir!r}: {name} reads 8-bit tensors "
                                      f"{[h for h, _ in spec.sources]} only where every part of a linear layer is 8-bit")
-                scales = [_channel_scales(read(h + SCALE_SUFFIX_HF, name), a.shape[0], h + SCALE_SUFFIX_HF)
+                # `<module>.weight`'s scale is `<module>.weight_scale`: the params' own naming
+                scales = [_channel_scales(read(scale_name(h), name), a.shape[0], scale_name(h))
                           for (h, _), a in zip(spec.sources, arrays)]
                 params.update(_fp8_param(name, np.concatenate(arrays, axis=0), np.concatenate(scales), layout))
                 continue
@@ -210,9 +211,6 @@ def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
     finally:
         handles.clear()
     return params
-
-
-SCALE_SUFFIX_HF = "_scale"  # `<module>.weight`'s scale tensor is `<module>.weight_scale`
 
 
 def _channel_scales(scale: np.ndarray, rows: int, hf_name: str) -> np.ndarray:
@@ -231,17 +229,14 @@ def _fp8_param(name: str, values: np.ndarray, scales: np.ndarray, layout) -> dic
     TP layout (the weight's output columns, here rows) and split as `quantization.fp8_weight` splits them."""
     if layout is None:
         return {name: jnp.asarray(values), scale_name(name): jnp.asarray(scales)}
-    from jax.sharding import NamedSharding, PartitionSpec
-
     parts = layout.parts(name)
     if parts:
         values = to_tp_layout(values.T, parts, layout.tp, layout.cfg.head_dim).T
         scales = to_tp_layout(scales[None], parts, layout.tp, layout.cfg.head_dim)[0]
-    sharding = layout.sharding(name)
-    rows, cols = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
-    put = lambda x, spec: jax.make_array_from_callback(  # noqa: E731
-        x.shape, NamedSharding(sharding.mesh, spec), lambda index: np.ascontiguousarray(x[index]))
-    return {name: put(values, PartitionSpec(cols, rows)), scale_name(name): put(scales, PartitionSpec(cols))}
+    put = lambda x, where: jax.make_array_from_callback(  # noqa: E731
+        x.shape, where, lambda index: np.ascontiguousarray(x[index]))
+    on_values, on_scales = fp8_shardings(layout.sharding(name))
+    return {name: put(values, on_values), scale_name(name): put(scales, on_scales)}
 
 
 class _Tensors:

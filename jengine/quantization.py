@@ -57,9 +57,14 @@ def fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     sharding = getattr(w, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         return jax.jit(_fp8_values)(w)
+    return jax.jit(_fp8_values, out_shardings=fp8_shardings(sharding))(w)
+
+
+def fp8_shardings(sharding: NamedSharding) -> tuple[NamedSharding, NamedSharding]:
+    """Where a weight split as `sharding` (`[in, out]`) puts its 8-bit values `[out, in]` (the axes swapped) and its
+    scales `[out]` (the output columns' split)."""
     rows, cols = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
-    out = (NamedSharding(sharding.mesh, PartitionSpec(cols, rows)), NamedSharding(sharding.mesh, PartitionSpec(cols)))
-    return jax.jit(_fp8_values, out_shardings=out)(w)
+    return NamedSharding(sharding.mesh, PartitionSpec(cols, rows)), NamedSharding(sharding.mesh, PartitionSpec(cols))
 
 
 def _fp8_values(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -120,5 +125,5 @@ def is_quantized(params: dict) -> bool:
     return any(name.endswith(SCALE_SUFFIX) for name in params)
 
 
-__all__ = ["FP8_DTYPE", "QUANTIZATIONS", "check_quantization", "fp8_linear", "fp8_rows",
+__all__ = ["FP8_DTYPE", "QUANTIZATIONS", "check_quantization", "fp8_shardings", "fp8_linear", "fp8_rows",
            "fp8_weight", "is_quantized", "linear_weights", "quantize", "scale_name"]
