@@ -1,0 +1,121 @@
+"""Bad requests to the OpenAI-compatible server: each gets its HTTP status and an OpenAI-style error body naming
+the offending parameter, from a real `jengine serve` subprocess."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+ERROR_CASES = [  # (name, route, body, status, the error body's param)
+    ("malformed json", "/v1/completions", b"{not json", 400, None),
+    ("missing prompt", "/v1/completions", {"max_tokens": 4}, 400, None),
+    ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("top_p out of range", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400,
+     "top_p"),
+    ("infinite temperature", "/v1/completions", b'{"prompt": "x", "temperature": Infinity}', 400, "temperature"),
+    ("nan top_p", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}', 400,
+     "top_p"),
+    ("infinite repetition_penalty", "/v1/completions", b'{"prompt": "x", "repetition_penalty": Infinity}', 400,
+     "repetition_penalty"),
+    ("n too large", "/v1/completions", {"prompt": "x", "n": 1000}, 400, "n"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens 0 without echo", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("prompt too long", "/v1/completions", {"prompt": "x" * 400, "max_tokens": 4}, 400, None),
+    ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),
+    ("empty allowed_token_ids", "/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("allowed_token_ids out of vocab", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "allowed_token_ids": [1, 384]}, 400, "allowed_token_ids"),
+    ("too many allowed_token_ids", "/v1/completions", {"prompt": "x", "allowed_token_ids": list(range(333))}, 400,
+     "allowed_token_ids"),
+    ("empty bad word", "/v1/completions", {"prompt": "x", "bad_words": ["ok", ""]}, 400, "bad_words"),
+    ("bad word not a string", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "bad_words": [5]}, 400, "bad_words.0"),
+    ("too many bad words", "/v1/completions", {"prompt": "x", "bad_words": [f"w{i}" for i in range(129)]}, 400,
+     "bad_words"),  # found by the engine, which tokenizes them
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, None),
+    ("lone surrogate", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, None),
+    ("lone surrogate in chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+     400, None),
+    ("lone surrogate to tokenize", "/tokenize", b'{"prompt": "\\ud800"}', 400, None),
+    ("malformed json_schema", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, 400,
+     "response_format"),
+    ("json_schema without a schema", "/v1/completions",
+     {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
+    ("unknown response_format", "/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, 400,
+     "response_format"),
+    ("bad structured_outputs regex", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(a"}}, 400,
+     "structured_outputs"),
+    ("two structured_outputs constraints", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs"),
+    ("bad guided_regex", "/v1/completions", {"prompt": "x", "guided_regex": "[0-9"}, 400, "guided_regex"),
+    ("empty guided_choice", "/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+    ("tools (tool_choice auto) without --enable-auto-tool-choice", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tool_choice"),
+    ("required tool choice without tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                    "tool_choice": "required"}, 400, "tool_choice"),
+    ("continue_final_message with the generation prompt", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400, "continue_final_message"),
+    ("reserved chat_template_kwargs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"add_generation_prompt": False}}, 400,
+     "chat_template_kwargs"),
+    ("chat_template_kwargs not an object", "/tokenize",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": ["x"]}, 400, "chat_template_kwargs"),
+    ("empty messages to tokenize", "/tokenize", {"messages": []}, 400, "messages"),
+    ("a request's chat_template, untrusted", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ("a request's chat_template to tokenize, untrusted", "/tokenize",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ("bad truncate_prompt_tokens", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400,
+     "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens past max_model_len", "/v1/completions",
+     {"prompt": "x", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens"),
+    ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("stream_options without stream in chat", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "stream": False,
+      "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, 400, "stream_options"),
+    ("prompt_logprobs -1 (all)", "/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("prompt_logprobs negative", "/v1/completions", {"prompt": "x", "prompt_logprobs": -2}, 400, "prompt_logprobs"),
+    ("prompt_logprobs too many", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("prompt_logprobs not an int", "/v1/completions", {"prompt": "x", "prompt_logprobs": "two"}, 400,
+     "prompt_logprobs"),
+    ("prompt_logprobs with stream", "/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs"),
+    ("prompt_logprobs with stream in chat", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs"),
+    ("max_tokens past max_model_len", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 250}, 400, "max_tokens"),
+    ("max_completion_tokens past max_model_len", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 300}, 400, "max_completion_tokens"),
+    ("the default 16 past max_model_len", "/v1/completions", {"prompt": [7] * 250}, 400, "max_tokens"),
+    ("priority without priority scheduling", "/v1/completions", {"prompt": "x", "priority": 1}, 400, "priority"),
+    ("beam search", "/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ("logprob_token_ids", "/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": [5]}, 400,
+     "logprob_token_ids"),
+    ("cache_salt", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": "s"}, 400,
+     "cache_salt"),
+    ("right truncation", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 1, "truncation_side": "right"},
+     400, "truncation_side"),
+    ("prompt_embeds", "/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
+    ("kv_transfer_params", "/v1/completions", {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}, 400,
+     "kv_transfer_params"),
+    ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, None),
+    ("unknown route", "/v1/nothing", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_bad_requests_get_openai_error_bodies(server, name, path, body, status, param):
+    kw = {"content": body, "headers": {**server.headers, "content-type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body, "headers": server.headers}
+    r = httpx.post(f"{server.url}{path}", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
