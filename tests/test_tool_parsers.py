@@ -13,8 +13,10 @@ from jengine.entrypoints.tool_parsers import (
     ExtractedToolCalls,
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
     NamedCall,
     ParsedDelta,
+    PythonicToolParser,
     RequiredCalls,
     ToolCall,
     extract,
@@ -22,6 +24,7 @@ from jengine.entrypoints.tool_parsers import (
 )
 
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
+M, P = MistralToolParser, PythonicToolParser
 # (reader, output, content, calls): well-formed outputs, streamed or whole alike
 WELL_FORMED = [
     (HermesToolParser, "Hello, how can I help?", "Hello, how can I help?", []),
@@ -58,6 +61,30 @@ WELL_FORMED = [
     (RequiredCalls, ' [ {"parameters": {"q": "]"}, "name": "s"} ] ', None, [("s", '{"q": "]"}')]),
     (functools.partial(NamedCall, "get_weather"), WEATHER, None, [("get_weather", WEATHER)]),
     (functools.partial(NamedCall, "get_weather"), "", None, [("get_weather", "")]),
+    (M, "Hello, how can I help?", "Hello, how can I help?", []),
+    (M, f'Let me check. [TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}]', "Let me check. ",
+     [("get_weather", WEATHER)]),
+    (M, '[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}},\n {"arguments": {"q": "]"}, "name": "b"}]', None,
+     [("a", '{"x": 1}'), ("b", '{"q": "]"}')]),
+    (M, f'[TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]add[ARGS]{{"a": 1, "b": [2, "[TOOL_CALLS]x"]}}', None,
+     [("get_weather", WEATHER), ("add", '{"a": 1, "b": [2, "[TOOL_CALLS]x"]}')]),
+    (M, "\n[TOOL_CALLS]f[CALL_ID]a1B2c3D4e[ARGS] {}\n", None, [("f", "{}")]),
+    (M, 'Sure.[TOOL_CALLS]f{"s": "Zürich 😀 \\"q\\""}', "Sure.", [("f", '{"s": "Zürich 😀 \\"q\\""}')]),  # no [ARGS]
+    (M, '[TOOL_CALLS][{"name": "f", "arguments": {}}] and text after', None, [("f", "{}")]),  # dropped, as vLLM
+    (M, "Arrays [1, 2] and [TOOL_CALL] are text [TOOL", "Arrays [1, 2] and [TOOL_CALL] are text [TOOL", []),
+    (M, "", None, []),
+    (P, "The weather is nice.", "The weather is nice.", []),
+    (P, '[get_weather(city="Paris", unit="celsius")]', None, [("get_weather", WEATHER)]),
+    (P, '<|python_start|>[a(x=1), b(y=[True, None, -2.5e3], z={"k": (1, 2)})]<|python_end|>', None,
+     [("a", '{"x": 1}'), ("b", '{"y": [true, null, -2500.0], "z": {"k": [1, 2]}}')]),
+    (P, " [f(q=\")]\\\"'\", r='''a 'b) ''c''', u=\"Zürich 😀\"),\n g(e='')] \n", None,
+     [("f", '{"q": ")]\\"\'", "r": "a \'b) \'\'c", "u": "Zürich 😀"}'), ("g", '{"e": ""}')]),
+    (P, "[f(a=1),]", None, [("f", '{"a": 1}')]),
+    (P, '[f(s="\\")")]', None, [("f", '{"s": "\\")"}')]),
+    (P, "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
+    (P, "[Note] see above", "[Note] see above", []),
+    (P, "<|python_sta", "<|python_sta", []),
+    (P, "", None, []),
 ]
 # (reader, output, what a stream of it gives): outputs that break the format after a call began; whole,
 # each is all content and no calls (as vLLM reads them)
@@ -73,6 +100,15 @@ BROKEN_AFTER_A_CALL = [
     (Llama3JsonToolParser, '{"name": "a", "parameters": {"x": 1}', (None, [("a", '{"x": 1}')])),
     (RequiredCalls, '[{"name": "a", "parameters": {"x": 1', (None, [("a", '{"x": 1')])),
     (RequiredCalls, '[{"name": "a", "parameters": {}}] [', (None, [("a", "{}")])),
+    (M, 'Hi [TOOL_CALLS]f[ARGS]{"a": [1, 2', ("Hi ", [("f", '{"a": [1, 2')])),
+    (M, '[TOOL_CALLS]f[ARGS]{"a": 1, }', (None, [("f", '{"a": 1, ')])),
+    (M, '[TOOL_CALLS][{"name": "a", "arguments": {}}, 5]', (None, [("a", "{}")])),
+    (M, "[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]not a call", (None, [("f", "{}")])),
+    (P, "[f(a=1), g(b=x)]", (None, [("f", '{"a": 1}')])),
+    (P, "[f(a=1)] and then text", (None, [("f", '{"a": 1}')])),
+    (P, "[f(a=1), g(b=2", (None, [("f", '{"a": 1}')])),
+    (P, "[f(a=1)", (None, [("f", '{"a": 1}')])),
+    (P, "<|python_start|>[f(a=1)]<|python_end|>[g()]", (None, [("f", '{"a": 1}')])),
 ]
 # Outputs that break the format before any call began: text, streamed or whole
 BROKEN_BEFORE_A_CALL = [
@@ -85,6 +121,24 @@ BROKEN_BEFORE_A_CALL = [
     (HermesToolParser, "<tool_call>  "),
     (Llama3JsonToolParser, '{"x": 1, "y": [1, 2'),
     (Llama3JsonToolParser, '{"x": 1, "name": "a", "x": 2} text'),
+    (M, "[TOOL_CALLS] I cannot call tools."),
+    (M, 'Sure. [TOOL_CALLS][{"arguments": {}}]'),
+    (M, "[TOOL_CALLS]f[ARGS] nope"),
+    (M, "[TOOL_CALLS][ARGS]{}"),
+    (M, "[TOOL_CALLS][]"),
+    (M, "[TOOL_CALLS]"),
+    (P, "[f(1)]"),
+    (P, "[f(a=1, a=2)]"),
+    (P, "[f(a={1, 2})]"),
+    (P, "[f(a=1e999)]"),
+    (P, "[f(a=x)]"),
+    (P, "[f(**kw)]"),
+    (P, "[os.system(cmd='ls')]"),
+    (P, "[f(a=(1])]"),
+    (P, "Hello [f()]"),
+    (P, "[f(a=1"),
+    (P, "[]"),
+    (P, "<|python_start|>"),
 ]
 
 
@@ -178,8 +232,43 @@ def test_a_named_call_streams_the_output_as_its_arguments():
     assert p.finish() == ParsedDelta()
 
 
+def test_mistral_holds_back_what_may_be_its_token_and_sends_a_name_with_the_first_of_its_arguments():
+    p = MistralToolParser()
+    assert p.feed("Hi [1] [TOOL") == ParsedDelta("Hi [1] ")
+    assert p.feed("_CALLS]get") == ParsedDelta()
+    assert p.feed("_weather[AR") == ParsedDelta()
+    assert p.feed('GS]{"city"') == ParsedDelta(calls=[CallDelta(0, name="get_weather", arguments='{"city"')])
+    assert p.feed(': "Paris"}[TOOL_CALLS]b[ARGS]') == ParsedDelta(calls=[CallDelta(0, arguments=': "Paris"}')])
+    assert p.feed("{}") == ParsedDelta(calls=[CallDelta(1, name="b", arguments="{}")])
+    assert p.finish() == ParsedDelta()
+
+
+def test_pythonic_sends_each_call_whole_once_its_parenthesis_closes():
+    p = PythonicToolParser()
+    assert p.feed('<|python_start|>[get_weather(city="Pa') == ParsedDelta()
+    assert p.feed('ris", unit="celsius")') == ParsedDelta(calls=[CallDelta(0, name="get_weather", arguments=WEATHER)])
+    assert p.feed(", ot") == ParsedDelta()
+    assert p.feed("her(x=[1])]") == ParsedDelta(calls=[CallDelta(1, name="other", arguments='{"x": [1]}')])
+    assert p.feed("<|python_end|>") == ParsedDelta()
+    assert p.finish() == ParsedDelta()
+
+
+def test_pythonic_passes_text_on_as_soon_as_it_cannot_be_a_list_of_calls():
+    p = PythonicToolParser()
+    assert p.feed(" [") == ParsedDelta()
+    assert p.feed("1,") == ParsedDelta(" [1,")
+    assert p.feed(" 2]") == ParsedDelta(" 2]")
+    assert PythonicToolParser().feed("Sure") == ParsedDelta("Sure")
+
+
 def test_an_unknown_parser_name_lists_the_known_ones():
     assert tool_parser("hermes") is HermesToolParser and tool_parser("llama3_json") is Llama3JsonToolParser
+    assert tool_parser("mistral") is MistralToolParser and tool_parser("pythonic") is PythonicToolParser
     with pytest.raises(ValueError) as e:
-        tool_parser("mistral")
-    assert str(e.value) == "--tool-call-parser 'mistral' is not known; choose one of hermes, llama3_json"
+        tool_parser("granite")
+    assert str(e.value) == ("--tool-call-parser 'granite' is not known; choose one of hermes, llama3_json, mistral, "
+                            "pythonic")
+
+
+def test_mistral_keeps_special_tokens_in_the_text_as_its_tags_are_special_tokens():
+    assert MistralToolParser.keeps_special_tokens and not PythonicToolParser.keeps_special_tokens
