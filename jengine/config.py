@@ -60,42 +60,87 @@ class RopeConfig:
 
 # Pre-quantized checkpoints jengine reads (config.json's `quantization_config`): 8-bit e4m3 weights with a scale
 # per output channel or per tensor, `w = weight * weight_scale`, as vLLM's "fp8" serialization and the
-# compressed-tensors "float-quantized" FP8 checkpoints (e.g. the FP8-dynamic Llamas) store them. Activations are
-# quantized per token at run time whatever the checkpoint says (its static `input_scale`s are not read).
+# compressed-tensors "float-quantized" FP8 checkpoints (e.g. the FP8-dynamic Llamas) store them; or with a scale per
+# block of the weight `[out, in]` (`weight_block_size` / `block_structure`, DeepSeek-V3's and the Qwen3 FP8
+# checkpoints' form), which the loader folds into one scale per output channel. Activations are quantized per token
+# at run time whatever the checkpoint says (its static `input_scale`s are not read).
 
 
-def checkpoint_quantization(config) -> str | None:
-    """The weight quantization a checkpoint's `quantization_config` (None or a dict) says its tensors hold: None
-    or "fp8". A ValueError names what jengine cannot read (another method, block-wise scales, integer or 4-bit
-    weights) instead of letting those tensors load as plain weights."""
+@dataclasses.dataclass(frozen=True)
+class CheckpointQuantization:
+    """What a pre-quantized checkpoint's linear weights hold: e4m3 values and f32 scales, named
+    `<module>.weight<scale_suffix>`, one per output channel or per tensor (`block` None) or one per `block` =
+    (rows, columns) tile of the weight `[out, in]`."""
+
+    block: tuple[int, int] | None = None
+    scale_suffix: str = "_scale"
+    method: str = "fp8"  # the `quantization` whose params the weights load into
+
+
+def checkpoint_quantization(config) -> CheckpointQuantization | None:
+    """What a checkpoint's `quantization_config` (None or a dict) says its tensors hold. A ValueError names what
+    jengine cannot read (another method, integer or 4-bit weights, malformed blocks) instead of letting those
+    tensors load as plain weights."""
     if not config:
         return None
     if not isinstance(config, dict):
         raise ValueError(f"config.json's quantization_config must be an object, got {type(config).__name__}")
     method = config.get("quant_method")
     refused = (f"config.json's quantization_config (quant_method {method!r}) is not one jengine reads: it loads "
-               "8-bit float (e4m3) weights with per-channel or per-tensor scales (quant_method 'fp8', or "
-               "'compressed-tensors' in its float-quantized format); load the unquantized model with "
+               "8-bit float (e4m3) weights with per-channel, per-tensor or block-wise scales (quant_method 'fp8', "
+               "or 'compressed-tensors' in its float-quantized format); load the unquantized model with "
                "quantization='fp8' instead")
     if method == "fp8":
-        if config.get("weight_block_size") is not None:
-            raise ValueError(f"{refused} (block-wise scales, weight_block_size {config['weight_block_size']})")
-        return "fp8"
+        block = config.get("weight_block_size")
+        if block is None:
+            return CheckpointQuantization()
+        # vLLM's name for block-wise scales (they multiply all the same)
+        return CheckpointQuantization(_block(block, "weight_block_size"), "_scale_inv")
     if method != "compressed-tensors":
         raise ValueError(refused)
     groups = config.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{refused} (no config_groups)")
+    blocks = set()
     for name, group in groups.items():
         weights = group.get("weights") if isinstance(group, dict) else None
         if not isinstance(weights, dict):
             raise ValueError(f"{refused} (config group {name!r} has no weights scheme)")
         scheme = (weights.get("num_bits"), weights.get("type"), weights.get("strategy"))
-        if scheme[:2] != (8, "float") or scheme[2] not in ("channel", "tensor") or weights.get("symmetric") is False:
+        if (scheme[:2] != (8, "float") or scheme[2] not in ("channel", "tensor", "block")
+                or weights.get("symmetric") is False):
             raise ValueError(f"{refused} (config group {name!r}: weights {scheme[0]}-bit {scheme[1]}, "
                              f"strategy {scheme[2]!r})")
-    return "fp8"
+        blocks.add(_block(weights.get("block_structure"), f"config group {name!r}'s block_structure")
+                   if scheme[2] == "block" else None)
+    if len(blocks) > 1:
+        raise ValueError(f"{refused} (config groups mix block-wise and other scales, or blocks of different "
+                         f"sizes: {sorted(map(str, blocks))})")
+    return CheckpointQuantization(blocks.pop())
 
+
+def _block(value, field: str) -> tuple[int, int]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ValueError(f"config.json's quantization_config: {field} must be two positive integers "
+                         f"[rows, columns], got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def read_config_json(model_dir: str) -> dict[str, Any]:
+    """A model directory's parsed `config.json`; a ValueError if it is missing or not JSON."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no config.json in model directory {model_dir!r}")
+    return _json_file(path)
+
+
+def _json_file(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,19 +240,11 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: str) -> ModelConfig:
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(_json_file(path))
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> ModelConfig:
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"no config.json in model directory {model_dir!r}")
-        return cls.from_json_file(path)
+        return cls.from_hf_dict(read_config_json(model_dir))
 
 
 def parse_rope(raw: dict[str, Any]) -> RopeConfig:

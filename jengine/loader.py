@@ -6,7 +6,7 @@ With a tensor-parallel `mesh`, each weight goes straight into its shards (`jengi
 host numpy slices for safetensors, generated per shard for dummy weights, restored per shard from Orbax;
 fused weights are put in the TP layout on the way. No device ever holds a full copy of a split weight.
 A pre-quantized fp8 checkpoint's 8-bit linear weights load as they are, with their scales
-(`load_safetensors`).
+(`load_safetensors`); block-wise scales are folded into one per output channel.
 """
 
 from __future__ import annotations
@@ -24,10 +24,16 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors ca
 import numpy as np
 from safetensors import safe_open
 
-from jengine.config import ModelConfig, checkpoint_quantization, normalize_dtype
+from jengine.config import (
+    CheckpointQuantization,
+    ModelConfig,
+    checkpoint_quantization,
+    normalize_dtype,
+    read_config_json,
+)
 from jengine.models import WeightSpec, get_model_family
 from jengine.presets import resolve_model
-from jengine.quantization import FP8_DTYPE, fp8_shardings, linear_weights, quantize, scale_name
+from jengine.quantization import FP8_DTYPE, fp8_from_blocks, fp8_shardings, linear_weights, quantize, scale_name
 from jengine.sharding import (
     TP,
     check_tensor_parallel,
@@ -55,7 +61,8 @@ def load_model(model: str, dtype: str | None = None, load_format: str = "auto",
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; use one of {', '.join(LOAD_FORMATS)}")
     model_dir, is_preset = resolve_model(model)
-    cfg = ModelConfig.from_model_dir(model_dir)
+    raw = read_config_json(model_dir)
+    cfg = ModelConfig.from_hf_dict(raw)
     if dtype not in (None, "auto"):
         cfg = cfg.replace(dtype=normalize_dtype(dtype))
     specs = get_model_family(cfg.architecture).weight_specs(cfg)
@@ -65,21 +72,16 @@ def load_model(model: str, dtype: str | None = None, load_format: str = "auto",
         layout = TensorParallelLayout(cfg, specs, mesh)
     if load_format == "auto":
         load_format = detect_format(model_dir, is_preset)
-    quantized = checkpoint_quantization(_raw_config(model_dir).get("quantization_config"))
+    quantized = checkpoint_quantization(raw.get("quantization_config"))
     if load_format == "dummy":  # random weights quantized as the checkpoint's would be
         params = dummy_params(specs, cfg.dtype, seed, layout)
-        return cfg, quantize(params, linear_weights(specs), quantized) if quantized else params
+        return cfg, quantize(params, linear_weights(specs), quantized.method) if quantized else params
     if load_format == "orbax":
         if quantized:
-            raise ValueError(f"{model_dir!r} holds a pre-quantized ({quantized}) model: it loads from its "
+            raise ValueError(f"{model_dir!r} holds a pre-quantized ({quantized.method}) model: it loads from its "
                              "safetensors files, not from an Orbax checkpoint")
         return cfg, load_orbax(os.path.join(model_dir, ORBAX_DIR), specs, cfg.dtype, layout)
-    return cfg, load_safetensors(model_dir, specs, cfg.dtype, layout)
-
-
-def _raw_config(model_dir: str) -> dict:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)
+    return cfg, load_safetensors(model_dir, specs, cfg.dtype, layout, quantized)
 
 
 class TensorParallelLayout:
@@ -166,13 +168,16 @@ def _sharded_init(init, shape, dtype, parts, tp, head_dim, sharding):
 
 
 def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
-                     layout: TensorParallelLayout | None = None) -> dict[str, jax.Array]:
+                     layout: TensorParallelLayout | None = None,
+                     quantized: CheckpointQuantization | None = None) -> dict[str, jax.Array]:
     """Read, check, fuse and cast every tensor the specs name; unused checkpoint tensors are ignored.
 
-    A linear layer's 8-bit (e4m3) tensor, in a pre-quantized checkpoint, loads as it is with its scale beside it
-    (`<module>.weight_scale`, per output channel or per tensor), in `jengine.quantization`'s layout: values
+    A linear layer's 8-bit (e4m3) tensor, in a pre-quantized checkpoint (`quantized`), loads as it is with its scale
+    beside it (`<module>.weight_scale`, per output channel or per tensor), in `jengine.quantization`'s layout: values
     `[out, in]` and f32 scales `[out]` (`scale_name`), fused and split over a mesh as that module's quantized
-    weights are."""
+    weights are. Block-wise scales (`<module>.weight_scale_inv` or `.weight_scale`, one per tile) are folded into one
+    per output channel first (`quantization.fp8_from_blocks`)."""
+    quantized = quantized or CheckpointQuantization()
     files = _tensor_files(model_dir)
     handles: dict[str, _Tensors] = {}
 
@@ -197,10 +202,10 @@ def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
                 if not (all(eight_bit) and spec.transpose and len(spec.shape) == 2):
                     raise ValueError(f"checkpoint in {model_dir!r}: {name} reads 8-bit tensors "
                                      f"{[h for h, _ in spec.sources]} only where every part of a linear layer is 8-bit")
-                # `<module>.weight`'s scale is `<module>.weight_scale`: the params' own naming
-                scales = [_channel_scales(read(scale_name(h), name), a.shape[0], scale_name(h))
-                          for (h, _), a in zip(spec.sources, arrays)]
-                params.update(_fp8_param(name, np.concatenate(arrays, axis=0), np.concatenate(scales), layout))
+                sources = [_fp8_source(a, read(h + quantized.scale_suffix, name), h + quantized.scale_suffix,
+                                        quantized.block) for (h, _), a in zip(spec.sources, arrays)]
+                params.update(_fp8_param(name, np.concatenate([v for v, _ in sources], axis=0),
+                                         np.concatenate([s for _, s in sources]), layout))
                 continue
             parts = [a.T if spec.transpose else a for a in arrays]
             array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
@@ -213,15 +218,21 @@ def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
     return params
 
 
-def _channel_scales(scale: np.ndarray, rows: int, hf_name: str) -> np.ndarray:
-    """A checkpoint's weight scale as one f32 per output channel: from `[rows]`/`[rows, 1]` (per channel) or
-    `[]`/`[1]` (per tensor)."""
+def _fp8_source(values: np.ndarray, scale: np.ndarray, hf_name: str, block) -> tuple[np.ndarray, np.ndarray]:
+    """A checkpoint's 8-bit weight `[out, in]` and its scale tensor as values and one f32 scale per output channel:
+    from `[out]`/`[out, 1]` (per channel), `[]`/`[1]` (per tensor), or one per `block` tile."""
+    rows = values.shape[0]
+    if block is not None:
+        try:
+            return tuple(np.asarray(x) for x in fp8_from_blocks(values, scale, block))
+        except ValueError as e:
+            raise ValueError(f"scale tensor {hf_name!r}: {e}") from None
     if scale.size == 1:
-        return np.full(rows, np.float32(scale.reshape(())), np.float32)
+        return values, np.full(rows, np.float32(scale.reshape(())), np.float32)
     if scale.shape in ((rows,), (rows, 1)):
-        return scale.reshape(rows).astype(np.float32)
-    raise ValueError(f"scale tensor {hf_name!r} has shape {tuple(scale.shape)}: jengine reads per-channel "
-                     f"([{rows}] or [{rows}, 1]) or per-tensor scales, not block-wise ones")
+        return values, scale.reshape(rows).astype(np.float32)
+    raise ValueError(f"scale tensor {hf_name!r} has shape {tuple(scale.shape)}: config.json's quantization_config "
+                     f"implies per-channel ([{rows}] or [{rows}, 1]) or per-tensor scales")
 
 
 def _fp8_param(name: str, values: np.ndarray, scales: np.ndarray, layout) -> dict[str, jax.Array]:
@@ -339,7 +350,7 @@ def _orbax_sharding(layout: TensorParallelLayout | None, name: str, spec: Weight
 def convert_to_orbax(model: str, out_dir: str, dtype: str | None = None, load_format: str = "auto") -> str:
     """`jengine convert`: load a model and write it as an Orbax checkpoint plus its config/tokenizer files."""
     model_dir, _ = resolve_model(model)
-    if checkpoint_quantization(_raw_config(model_dir).get("quantization_config")):
+    if checkpoint_quantization(read_config_json(model_dir).get("quantization_config")):
         raise ValueError(f"{model!r} is a pre-quantized checkpoint: jengine loads it from its safetensors files "
                          "and does not convert it to Orbax")
     cfg, params = load_model(model, dtype=dtype, load_format=load_format)

@@ -22,6 +22,8 @@ so a weight is off by at most 1/16 of its own size, or of its column's largest /
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
@@ -68,10 +70,38 @@ def fp8_shardings(sharding: NamedSharding) -> tuple[NamedSharding, NamedSharding
 
 
 def _fp8_values(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    wf = w.astype(jnp.float32).T
-    amax = jnp.max(jnp.abs(wf), axis=1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)  # an all-zero column keeps zeros, not NaNs
+    return _fp8_per_row(w.astype(jnp.float32).T)
+
+
+def _fp8_per_row(wf: jax.Array, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """f32 `[rows, K]` as e4m3 values and one f32 scale per row (by default each row's largest value / 448)."""
+    if scale is None:
+        scale = jnp.max(jnp.abs(wf), axis=1) / FP8_MAX
+    scale = jnp.where(scale > 0, scale, 1.0)  # an all-zero row keeps zeros, not NaNs
     return jnp.clip(wf / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+
+
+def fp8_from_blocks(values, scales, block: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+    """A block-quantized weight (e4m3 `values [out, in]`, f32 `scales` with one per `block` = (rows, columns) tile,
+    `w = values * scales` tile by tile; the last tiles may be cut short) in `fp8_weight`'s form: each output row
+    rounded again to e4m3 at one scale of its own, its largest value at 448. Where that largest value is 448 times
+    its tile's scale (the usual case for the row holding a tile's largest value), the row's tiles of that scale
+    keep their values exactly; the rest are rounded once more, by at most half an e4m3 step."""
+    rows, cols = values.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scales.shape) != grid:
+        raise ValueError(f"block scales of shape {tuple(scales.shape)} for a [{rows}, {cols}] weight in {block[0]}x"
+                         f"{block[1]} blocks: expected {grid}")
+    return _blocks_per_row(jnp.asarray(values), jnp.asarray(scales, jnp.float32), tuple(block))
+
+
+@functools.partial(jax.jit, static_argnames="block")
+def _blocks_per_row(values: jax.Array, scales: jax.Array, block: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+    rows, cols = values.shape
+    per_value = jnp.abs(jnp.repeat(jnp.repeat(scales, block[0], axis=0)[:rows], block[1], axis=1)[:, :cols])
+    q = values.astype(jnp.float32)
+    # (|q| / 448) * scale, not |q * scale| / 448: a tile's scale comes back exactly where its value is 448
+    return _fp8_per_row(q * per_value, jnp.max(jnp.abs(q) / FP8_MAX * per_value, axis=1))
 
 
 def fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -125,5 +155,5 @@ def is_quantized(params: dict) -> bool:
     return any(name.endswith(SCALE_SUFFIX) for name in params)
 
 
-__all__ = ["FP8_DTYPE", "QUANTIZATIONS", "check_quantization", "fp8_shardings", "fp8_linear", "fp8_rows",
-           "fp8_weight", "is_quantized", "linear_weights", "quantize", "scale_name"]
+__all__ = ["FP8_DTYPE", "QUANTIZATIONS", "check_quantization", "fp8_from_blocks", "fp8_shardings", "fp8_linear",
+           "fp8_rows", "fp8_weight", "is_quantized", "linear_weights", "quantize", "scale_name"]

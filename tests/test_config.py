@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from jengine.config import ModelConfig, RopeConfig
+from jengine.config import CheckpointQuantization, ModelConfig, RopeConfig, checkpoint_quantization
 from jengine.models import get_model_family
 
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
@@ -295,14 +295,32 @@ def test_config_is_frozen_and_replace_revalidates():
 
 def test_prequantized_checkpoints_jengine_cannot_read_are_refused_by_name():
     """Their tensors are quantized values with scales beside them: read as plain weights they would be wrong. 8-bit
-    float weights with per-channel or per-tensor scales load (tests/test_fp8_checkpoint.py); others fail here."""
+    float weights with per-channel, per-tensor or block-wise scales load (tests/test_fp8_checkpoint.py); others fail
+    here."""
     for method in ("awq", "gptq", "bitsandbytes"):
         with pytest.raises(ValueError, match=f"quantization_config.*'{method}'.*quantization='fp8'"):
             ModelConfig.from_hf_dict(llama_raw(quantization_config={"quant_method": method, "bits": 4}))
-    with pytest.raises(ValueError, match="block-wise"):
-        ModelConfig.from_hf_dict(llama_raw(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 64]}))
+    for block in ([128], [128, 0], "128x128", [128.0, 128]):
+        with pytest.raises(ValueError, match="weight_block_size must be two positive integers"):
+            ModelConfig.from_hf_dict(llama_raw(quantization_config={"quant_method": "fp8", "weight_block_size": block}))
     with pytest.raises(ValueError, match="quantization_config"):
         ModelConfig.from_hf_dict(llama_raw(quantization_config=["odd"]))
     raw = llama_raw(quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
     assert ModelConfig.from_hf_dict(raw).architecture == "LlamaForCausalLM"
+
+
+def test_what_a_prequantized_checkpoint_holds():
+    assert checkpoint_quantization(None) is None and checkpoint_quantization({}) is None
+    assert checkpoint_quantization({"quant_method": "fp8"}) == CheckpointQuantization(None, "_scale")
+    assert checkpoint_quantization({"quant_method": "fp8", "weight_block_size": [128, 64]}) == CheckpointQuantization(
+        (128, 64), "_scale_inv")  # DeepSeek-V3 / Qwen3 FP8: `weight_scale_inv`, multiplied all the same
+    group = {"weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}
+    channel = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+    compressed = {"quant_method": "compressed-tensors", "config_groups": {"g": group}}
+    assert checkpoint_quantization(compressed) == CheckpointQuantization((128, 128), "_scale")
+    with pytest.raises(ValueError, match="mix block-wise and other scales"):
+        checkpoint_quantization({**compressed, "config_groups": {"g": group, "h": channel}})
+    with pytest.raises(ValueError, match="block_structure must be two positive integers"):
+        checkpoint_quantization({**compressed, "config_groups": {"g": {"weights": {**group["weights"],
+                                                                                  "block_structure": None}}}})
     assert ModelConfig.from_hf_dict(llama_raw(quantization_config=None)).architecture == "LlamaForCausalLM"

@@ -1,6 +1,7 @@
 """Pre-quantized fp8 checkpoints (config.json's `quantization_config`): 8-bit e4m3 linear weights with per-channel
 or per-tensor scales load as they are, into the params `quantization="fp8"` makes (values `[out, in]`, f32 scales
-per output column), fused and split over a mesh the same way. Schemes jengine cannot read are refused by name."""
+per output column), fused and split over a mesh the same way; block-wise scales are folded into per-channel ones.
+Schemes jengine cannot read are refused by name."""
 
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batche
               seq_buckets=(4,), use_tqdm_on_load=False, compilation_cache_dir=None, num_gpu_blocks_override=64)
 
 
-def _write_checkpoint(out, quantization_config, per_tensor=False, keep=(), scale_shape=None):
+def _write_checkpoint(out, quantization_config, per_tensor=False, keep=(), scale_shape=None, block=None,
+                      suffix="_scale"):
     """The test fixture's f32 checkpoint with its linear layers (but those named in `keep`) as e4m3 values and
-    scales, as an FP8 checkpoint tool writes them: per channel `[out, 1]`, here rounded as `quantization.fp8_weight`
-    rounds (or one per tensor)."""
+    scales `<name><suffix>`, as an FP8 checkpoint tool writes them: per channel `[out, 1]`, here rounded as
+    `quantization.fp8_weight` rounds (or one per tensor, or one per `block` tile)."""
     tensors = {}
     with safe_open(os.path.join(FIXTURE, "model.safetensors"), framework="numpy") as f:
         for name in f.keys():  # noqa: SIM118
@@ -49,10 +51,12 @@ def _write_checkpoint(out, quantization_config, per_tensor=False, keep=(), scale
             if per_tensor:
                 scale = np.float32(np.max(np.abs(w)) / np.float32(448))
                 tensors[name] = np.clip(w / scale, -448, 448).astype(E4M3)
+            elif block:
+                tensors[name], scale = _block_quantized(w, block)
             else:  # as the engine quantizes (its rounding of the scales too), for tokens to compare exactly
                 q, scale = quantization.fp8_weight(jnp.asarray(w.T))
                 tensors[name], scale = np.asarray(q), np.asarray(scale)[:, None]
-            tensors[name + "_scale"] = np.asarray(scale, np.float32).reshape(scale_shape or np.shape(scale))
+            tensors[name + suffix] = np.asarray(scale, np.float32).reshape(scale_shape or np.shape(scale))
     os.makedirs(out, exist_ok=True)
     save_file(tensors, os.path.join(out, "model.safetensors"))
     with open(os.path.join(FIXTURE, "config.json")) as f:
@@ -60,6 +64,23 @@ def _write_checkpoint(out, quantization_config, per_tensor=False, keep=(), scale
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump({**config, "quantization_config": quantization_config}, f)
     return str(out)
+
+
+def _block_quantized(w, block):
+    """`w [out, in]` as e4m3 values and one scale per `block` tile (the last ones cut short), each tile's largest
+    value at 448, as DeepSeek-V3's and the Qwen3 FP8 checkpoints are made."""
+    per_value = _tiled(_tile_amax(w, block) / np.float32(448), block, w.shape)
+    return np.clip(w / per_value, -448, 448).astype(E4M3), _tile_amax(w, block) / np.float32(448)
+
+
+def _tile_amax(w, block):
+    rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+    return np.array([[np.max(np.abs(w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]))
+                      for j in range(cols)] for i in range(rows)], np.float32)
+
+
+def _tiled(scales, block, shape):
+    return np.repeat(np.repeat(scales, block[0], axis=0), block[1], axis=1)[:shape[0], :shape[1]]
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +163,47 @@ def test_an_fp8_checkpoint_under_tensor_parallelism_generates_what_one_device_do
     assert_split_as_one_device(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+def test_block_wise_scales_fold_into_one_per_output_channel(tmp_path, checkpoint):
+    """A row's tiles of one scale are the per-channel checkpoint again, bit for bit; tiles of different scales (48 x
+    24, the last ones cut short) round once more at the row's scale, within half an e4m3 step."""
+    tensors = {name: _read(checkpoint, name) for name in _names(checkpoint)}
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:  # each row's scale over tiles of 1 x 24
+        tensors[name + "_scale_inv"] = np.repeat(tensors.pop(name + "_scale"), -(-tensors[name].shape[1] // 24), axis=1)
+    repeated = shutil.copytree(checkpoint, tmp_path / "r")
+    save_file(tensors, os.path.join(repeated, "model.safetensors"))
+    _set_quantization_config(repeated, {"quant_method": "fp8", "weight_block_size": [1, 24]})
+    _, params = load_model(checkpoint, dtype="float32")
+    _, from_blocks = load_model(str(repeated), dtype="float32")
+    assert set(from_blocks) == set(params)
+    for name, value in params.items():
+        assert np.array_equal(np.asarray(from_blocks[name].astype(jnp.float32)), np.asarray(value.astype(jnp.float32)))
+
+    block = (48, 24)
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                                 "block_structure": list(block), "symmetric": True}}
+    tiles = _write_checkpoint(tmp_path / "t", {**COMPRESSED, "config_groups": {"group_0": group}}, block=block)
+    cfg, params = load_model(tiles, dtype="float32")
+    hf = "model.layers.1.mlp.gate_proj.weight"  # [128, 64]: 3 x 3 tiles, the last row and column of tiles cut short
+    assert _read(tiles, hf + "_scale").shape == (3, 3)
+    exact = _read(tiles, hf).astype(np.float32) * _tiled(_read(tiles, hf + "_scale"), block, (128, 64))
+    values, scales = np.asarray(params["layers.1.gate_up"][:128]).astype(np.float32), np.asarray(
+        params["layers.1.gate_up_scale"][:128])
+    assert np.allclose(scales, np.max(np.abs(exact), axis=1) / 448, rtol=1e-6)
+    # half an e4m3 step: 1/16 of a normal value, 2^-10 of the scale below 2^-6 (subnormals)
+    assert np.all(np.abs(values * scales[:, None] - exact) <= np.maximum(np.abs(exact) / 16, scales[:, None] / 1024))
+    assert not np.array_equal(values * scales[:, None], exact)  # rounded again: the test sees the requantizing
+    tokens = LLM(tiles, **ENGINE).generate([list(HF_CASES[0][0])], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(tokens) == 12
+
+    tensors = {name: _read(tiles, name) for name in _names(tiles)}
+    tensors["model.layers.0.mlp.down_proj.weight_scale"] = np.ones((2, 5), np.float32)  # [64, 128] needs 2 x 6
+    save_file(tensors, os.path.join(tiles, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.weight_scale'.*expected \(2, 6\)"):
+        load_model(tiles, dtype="float32")
+
+
 @pytest.mark.parametrize("config, message", [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128, 1]}, "two positive integers"),
     ({"quant_method": "awq", "bits": 4}, "'awq'"),
     ({**COMPRESSED, "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
      "4-bit int"),
@@ -152,28 +212,33 @@ def test_an_fp8_checkpoint_under_tensor_parallelism_generates_what_one_device_do
 ])
 def test_schemes_jengine_cannot_read_are_refused_by_name(tmp_path, config, message):
     shutil.copytree(FIXTURE, tmp_path / "m")
-    with open(tmp_path / "m" / "config.json") as f:
-        raw = json.load(f)
-    with open(tmp_path / "m" / "config.json", "w") as f:
-        json.dump({**raw, "quantization_config": config}, f)
+    _set_quantization_config(tmp_path / "m", config)
     with pytest.raises(ValueError, match=message):
         load_model(str(tmp_path / "m"))
 
 
+def _set_quantization_config(model_dir, config):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump({**raw, "quantization_config": config}, f)
+
+
+def _names(model_dir):
+    with safe_open(os.path.join(model_dir, "model.safetensors"), framework="numpy") as f:
+        return list(f.keys())
+
+
 def test_missing_or_block_shaped_scales_and_orbax_are_refused(tmp_path):
     block = _write_checkpoint(tmp_path / "b", COMPRESSED, scale_shape=None)
-    with safe_open(os.path.join(block, "model.safetensors"), framework="numpy") as f:
-        names = list(f.keys())
-    tensors = {}
-    for name in names:
-        tensors[name] = _read(block, name)
+    tensors = {name: _read(block, name) for name in _names(block)}
     tensors.pop("model.layers.0.self_attn.k_proj.weight_scale")
     save_file(tensors, os.path.join(block, "model.safetensors"))
     with pytest.raises(ValueError, match="missing tensor 'model.layers.0.self_attn.k_proj.weight_scale'"):
         load_model(block, dtype="float32")
     tensors["model.layers.0.self_attn.k_proj.weight_scale"] = np.ones((2, 2), np.float32)  # block-wise
     save_file(tensors, os.path.join(block, "model.safetensors"))
-    with pytest.raises(ValueError, match="not block-wise"):
+    with pytest.raises(ValueError, match="implies per-channel"):
         load_model(block, dtype="float32")
     fp8 = _write_checkpoint(tmp_path / "o", COMPRESSED)
     with pytest.raises(ValueError, match="Orbax"):
