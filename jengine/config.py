@@ -99,6 +99,8 @@ def checkpoint_quantization(config) -> CheckpointQuantization | None:
     if method != "compressed-tensors":
         raise ValueError(refused)
     groups = config.get("config_groups")
+    if not groups and config.get("kv_cache_scheme"):
+        return None  # only the 8-bit KV cache's scales (the loader reads them); the weights are plain
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{refused} (no config_groups)")
     blocks = set()

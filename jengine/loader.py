@@ -15,6 +15,7 @@ import functools
 import glob
 import json
 import os
+import re
 import shutil
 import zlib
 
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can read bf16 tensors)
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import safe_open
 
 from jengine.config import (
@@ -32,6 +34,7 @@ from jengine.config import (
     read_config_json,
 )
 from jengine.models import WeightSpec, get_model_family
+from jengine.models.common import KV_CACHE_SCALES
 from jengine.presets import resolve_model
 from jengine.quantization import FP8_DTYPE, fp8_from_blocks, fp8_shardings, linear_weights, quantize, scale_name
 from jengine.sharding import (
@@ -213,9 +216,40 @@ def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
                 params[name] = layout.from_host(name, array, dtype)
             else:
                 params[name] = jnp.asarray(array).astype(dtype)
+        params.update(_kv_cache_scales(files, read, specs, layout))
     finally:
         handles.clear()
     return params
+
+
+# A checkpoint's scales for an 8-bit KV cache, per layer (the cache holds k / k_scale): compressed-tensors' and
+# vLLM's `self_attn.k_scale` / `v_scale`, AutoFP8's `k_proj.output_scale` / `v_proj.output_scale`, and the older
+# `self_attn.kv_scale` for both.
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\."
+                       r"(k_scale|v_scale|kv_scale|k_proj\.output_scale|v_proj\.output_scale)")
+
+
+def _kv_cache_scales(files: dict[str, str], read, specs: dict[str, WeightSpec], layout) -> dict[str, jax.Array]:
+    """`layers.<i>.kv_cache_scales` (f32 `[2]`: K's scale, V's) for every layer, where the checkpoint has such
+    scales (a layer without them gets 1, as in vLLM); none where it has none. The model uses them with an 8-bit
+    cache only."""
+    layers = {int(name.split(".")[1]) for name in specs if name.startswith("layers.")}
+    found: dict[int, list[float]] = {}
+    for hf_name in sorted(files):
+        match = _KV_SCALE.fullmatch(hf_name)
+        if match is None or int(match[1]) not in layers:
+            continue
+        value = read(hf_name, f"layers.{match[1]}.{KV_CACHE_SCALES}")
+        if value.size != 1 or not np.isfinite(value).all() or float(value.reshape(())) <= 0:
+            raise ValueError(f"KV cache scale {hf_name!r} must be one positive number, got {value.tolist()!r}")
+        pair = found.setdefault(int(match[1]), [1.0, 1.0])
+        for which in {"k": (0,), "v": (1,), "kv": (0, 1)}[match[2].split("_")[0]]:
+            pair[which] = float(value.reshape(()))
+    if not found:
+        return {}
+    where = None if layout is None else NamedSharding(layout.mesh, PartitionSpec())  # every device holds them
+    return {f"layers.{i}.{KV_CACHE_SCALES}": jax.device_put(np.asarray(found.get(i, [1.0, 1.0]), np.float32), where)
+            for i in sorted(layers)}
 
 
 def _fp8_source(values: np.ndarray, scale: np.ndarray, hf_name: str, block) -> tuple[np.ndarray, np.ndarray]:
@@ -341,8 +375,6 @@ def _orbax_sharding(layout: TensorParallelLayout | None, name: str, spec: Weight
         return None
     if not layout.parts(name):
         return layout.sharding(name)
-    from jax.sharding import NamedSharding, PartitionSpec
-
     rows = TP if len(spec.shape) == 2 and spec.shape[0] % layout.tp == 0 else None
     return NamedSharding(layout.mesh, PartitionSpec(rows))
 

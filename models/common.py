@@ -30,6 +30,12 @@ class ModelInput:
     num_seqs: jax.Array  # [1] int32
 
 
+# A layer's scales for an 8-bit KV cache, from a checkpoint that has them (`jengine.loader`): f32 `[2]`, K's and V's.
+# The cache then holds k / k_scale and v / v_scale, and attention reads q * k_scale and multiplies its output by
+# v_scale, so the scores and outputs are unchanged but for the 8-bit rounding, which the scales keep in range.
+KV_CACHE_SCALES = "kv_cache_scales"
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
     """One parameter: its shape, logical axes (for sharding) and where it comes from in an HF checkpoint.

@@ -19,8 +19,16 @@ import jax.numpy as jnp
 
 from jengine.config import ModelConfig
 from jengine.kernels_pallas import swiglu_matmul
-from jengine.kernels_pallas.ragged_paged_attention import ragged_paged_attention, write_kv
-from jengine.models.common import ModelInput, WeightSpec, apply_rope, linear, rms_norm, rope_inv_freq
+from jengine.kernels_pallas.ragged_paged_attention import is_fp8, ragged_paged_attention, write_kv
+from jengine.models.common import (
+    KV_CACHE_SCALES,
+    ModelInput,
+    WeightSpec,
+    apply_rope,
+    linear,
+    rms_norm,
+    rope_inv_freq,
+)
 from jengine.sharding import per_head_shard, tp_size
 
 
@@ -83,6 +91,9 @@ def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
         q = rms_norm(q, params["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, params["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    scales = params.get(KV_CACHE_SCALES) if is_fp8(kv_cache.dtype) else None
+    if scales is not None:
+        q, k, v = (q * scales[0]).astype(q.dtype), (k / scales[0]).astype(k.dtype), (v / scales[1]).astype(v.dtype)
 
     def attend(kv_cache, q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
         kv_cache = write_kv(kv_cache, k, v, slot_mapping)
@@ -94,6 +105,8 @@ def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
 
     kv_cache, out = per_head_shard(attend, mesh, 4)(
         kv_cache, q, k, v, inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
+    if scales is not None:
+        out = (out * scales[1]).astype(out.dtype)
     return linear(out.reshape(num_tokens, hq * d), params, "o"), kv_cache
 
 
