@@ -357,16 +357,17 @@ def load_orbax(path: str, specs: dict[str, WeightSpec], dtype: str,
         target = {name: jax.ShapeDtypeStruct(spec.shape, tree[name].dtype,
                                              sharding=_orbax_sharding(layout, name, spec))
                   for name, spec in specs.items()}
-        restored = ckptr.restore(path, target)
-    if layout is None:
-        return {name: jnp.asarray(value).astype(dtype) for name, value in restored.items()}
-    params = {}
+        # the KV cache's scales, where the converted checkpoint had them: f32, on every device
+        scales = {name: jax.ShapeDtypeStruct((2,), jnp.float32, sharding=None if layout is None else NamedSharding(
+                  layout.mesh, PartitionSpec())) for name in stored if name.endswith("." + KV_CACHE_SCALES)}
+        restored = ckptr.restore(path, {**target, **scales})
+    params = {name: jnp.asarray(restored.pop(name)) for name in scales}
     for name, value in restored.items():
-        parts = layout.parts(name)
+        parts = None if layout is None else layout.parts(name)
         if parts:
             relayout = functools.partial(to_tp_layout, parts=parts, tp=layout.tp, head_dim=layout.cfg.head_dim, xp=jnp)
             value = jax.jit(relayout, out_shardings=layout.sharding(name))(value)
-        params[name] = value.astype(dtype)
+        params[name] = jnp.asarray(value).astype(dtype)
     return params
 
 

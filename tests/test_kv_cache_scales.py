@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -21,7 +22,7 @@ from safetensors.numpy import save_file
 from test_engine import FIXTURE, HF_CASES
 
 from jengine import LLM, SamplingParams
-from jengine.loader import load_model
+from jengine.loader import convert_to_orbax, load_model
 
 SHIFT = np.float32(2.0**10)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -89,6 +90,14 @@ def test_older_names_and_layers_without_scales(tmp_path):
     assert params["layers.0.kv_cache_scales"].tolist() == [1.0, 1.0]  # a layer without them: 1, as in vLLM
     _, params = load_model(_shifted(tmp_path / "none", {}), dtype="float32")
     assert not any("kv_cache_scales" in name for name in params)
+
+
+def test_an_orbax_conversion_keeps_them(tmp_path):
+    _, params = load_model(convert_to_orbax(_shifted(tmp_path / "s", _scales()), str(tmp_path / "o")),
+                           dtype="bfloat16")
+    assert params["layers.1.kv_cache_scales"].dtype == np.float32  # not cast with the weights
+    assert params["layers.1.kv_cache_scales"].tolist() == [2.0**-10, 2.0**-10]
+    assert params["layers.1.qkv"].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("value", [np.array([1.0, 2.0], np.float32), np.array(-1.0, np.float32),
