@@ -10,7 +10,6 @@ __version__ = "0.1.0"
 
 _XLA_DEFAULTS = {
     "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES",
-    "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel": "true",
 }
 _ALLOCATOR_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
 
@@ -22,8 +21,14 @@ def _default_xla_flags() -> None:
     Measured on H200s with benchmarks/profile_step.py (benchmarks/RESULTS.md, session 3): a step is
     ~500 kernel launches per device, and under tensor parallelism the host's launches, not the GPUs,
     set the pace. CUDA graphs that also capture the Pallas kernels and the collectives cut the host's
-    time per step from 3.8 to 1.7 ms at TP 1 (the same step time) and, with XLA's one-shot all-reduce
-    kernel for the small per-layer reductions, the 8B TP 4 decode step from 5.8 to 5.0 ms.
+    time per step from 3.8 to 1.7 ms at TP 1 (the same step time).
+
+    Not a default any more: `--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true`. XLA's one-shot
+    all-reduce kernel took the 8B TP 4 decode step on H200s from 5.8 to 5.0 ms (session 3), but it gives
+    its reductions device memory outside JAX's allocator, program by program: on two H100s (80 GB, 8% of
+    each outside the allocator) the 8B at TP 2 ran the GPUs out of memory during warm-up, and hung there,
+    with 1 or 4 loaded copies of the forwards and with the allocator at 85% instead of 92% (RESULTS.md,
+    session 40). Without it the same run starts and steps (batch 1 6.15 ms, batch 64 6.85 ms).
 
     Not a default: `--xla_gpu_command_buffer_update_mode=SKIP_TEMP`. A CUDA graph is re-recorded
     whenever a buffer it uses moved, and the engine's loop moves a step's temporaries: re-recording
