@@ -28,7 +28,8 @@ def _default_xla_flags() -> None:
     its reductions device memory outside JAX's allocator, program by program: on two H100s (80 GB, 8% of
     each outside the allocator) the 8B at TP 2 ran the GPUs out of memory during warm-up, and hung there,
     with 1 or 4 loaded copies of the forwards and with the allocator at 85% instead of 92% (RESULTS.md,
-    session 40). Without it the same run starts and steps (batch 1 6.15 ms, batch 64 6.85 ms).
+    session 40). Without it the same run starts and steps (batch 1 6.15 ms, batch 64 6.85 ms). (With jax
+    0.11.2 neither kind of all-reduce is captured in the CUDA graphs: a TP forward runs as ~64 small graphs.)
 
     Not a default: `--xla_gpu_command_buffer_update_mode=SKIP_TEMP`. A CUDA graph is re-recorded
     whenever a buffer it uses moved, and the engine's loop moves a step's temporaries: re-recording
