@@ -10,7 +10,17 @@ __version__ = "0.1.0"
 
 _XLA_DEFAULTS = {
     "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES",
+    "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel": "false",  # XLA's default is true: see below
 }
+# A default is left out where XLA_FLAGS names it, or the newer flag for the same setting (XLA's setter of the older one
+# would then remove an entry that may no longer be there).
+_SAME_SETTING = {
+    "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel": "--xla_gpu_experimental_use_collective_kernels",
+}
+
+
+def _named(name: str, flags: str) -> bool:
+    return name in flags or (name in _SAME_SETTING and _SAME_SETTING[name] in flags)
 _ALLOCATOR_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
 
 
@@ -23,13 +33,14 @@ def _default_xla_flags() -> None:
     set the pace. CUDA graphs that also capture the Pallas kernels and the collectives cut the host's
     time per step from 3.8 to 1.7 ms at TP 1 (the same step time).
 
-    Not a default any more: `--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true`. XLA's one-shot
-    all-reduce kernel took the 8B TP 4 decode step on H200s from 5.8 to 5.0 ms (session 3), but it gives
-    its reductions device memory outside JAX's allocator, program by program: on two H100s (80 GB, 8% of
-    each outside the allocator) the 8B at TP 2 ran the GPUs out of memory during warm-up, and hung there,
-    with 1 or 4 loaded copies of the forwards and with the allocator at 85% instead of 92% (RESULTS.md,
-    session 40). Without it the same run starts and steps (batch 1 6.15 ms, batch 64 6.85 ms). (With jax
-    0.11.2 neither kind of all-reduce is captured in the CUDA graphs: a TP forward runs as ~64 small graphs.)
+    XLA's one-shot (and two-shot) all-reduce kernels are switched off
+    (`--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false`; XLA turns them on for all-reduces of up to
+    4 MiB between NVLink-connected Hoppers). They took the 8B TP 4 decode step on H200s from 5.8 to 5.0 ms
+    (session 3), but each gives its reduction scratch memory outside JAX's allocator, per all-reduce of every
+    program and device: on two H100s (80 GB, 8% of each outside the allocator) the 8B at TP 2 ran the GPUs out
+    of memory in warm-up and hung there, with 1 or 4 loaded copies of the forwards and with the allocator at
+    85% instead of 92% (RESULTS.md, session 40). Without them the same run starts and steps (batch 1 6.15 ms,
+    batch 64 6.85 ms). XLA also keeps those kernels out of its CUDA graphs: a TP forward ran as ~64 small graphs.
 
     Not a default: `--xla_gpu_command_buffer_update_mode=SKIP_TEMP`. A CUDA graph is re-recorded
     whenever a buffer it uses moved, and the engine's loop moves a step's temporaries: re-recording
@@ -40,7 +51,7 @@ def _default_xla_flags() -> None:
     from the driver, inside that 80%: fewer pages than the ≥ 90% of free memory jengine gives them.
     """
     flags = os.environ.get("XLA_FLAGS", "")
-    extra = [f"{name}={value}" for name, value in _XLA_DEFAULTS.items() if name not in flags]
+    extra = [f"{name}={value}" for name, value in _XLA_DEFAULTS.items() if not _named(name, flags)]
     if extra:
         os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
@@ -72,7 +83,7 @@ def _late_start_warning(backend: str, env=os.environ) -> str | None:
     if backend != "gpu":
         return None
     missing = []
-    if any(name not in env.get("XLA_FLAGS", "") for name in _XLA_DEFAULTS):
+    if any(not _named(name, env.get("XLA_FLAGS", "")) for name in _XLA_DEFAULTS):
         missing.append("its XLA_FLAGS defaults (CUDA graphs over all kernels; slower steps)")
     if not any(name in env for name in _ALLOCATOR_VARS):
         missing.append("XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 (JAX's 75% default leaves a smaller KV cache)")

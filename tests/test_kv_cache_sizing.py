@@ -232,3 +232,15 @@ def test_the_driver_total_agrees_with_the_allocator_view():
     total = cuda_total_memory(device)
     assert total is not None and total >= device.memory_stats()["bytes_limit"]
     assert abs(device_memory(device)["total"] - total) <= 0.02 * total
+
+
+def test_xla_defaults_leave_a_setting_the_user_named_in_either_spelling(monkeypatch):
+    import jengine
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_use_collective_kernels=")
+    jengine._default_xla_flags()
+    flags = os.environ["XLA_FLAGS"]
+    assert "--xla_gpu_enable_command_buffer=" in flags and "one_shot_kernel" not in flags
+    monkeypatch.setenv("XLA_FLAGS", "")
+    jengine._default_xla_flags()
+    assert "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false" in os.environ["XLA_FLAGS"]
