@@ -39,8 +39,8 @@ def _default_xla_flags() -> None:
     (session 3), but each gives its reduction scratch memory outside JAX's allocator, per all-reduce of every
     program and device: on two H100s (80 GB, 8% of each outside the allocator) the 8B at TP 2 ran the GPUs out
     of memory in warm-up and hung there, with 1 or 4 loaded copies of the forwards and with the allocator at
-    85% instead of 92% (RESULTS.md, session 40). Without them the same run starts and steps (batch 1 6.15 ms,
-    batch 64 6.85 ms). XLA also keeps those kernels out of its CUDA graphs: a TP forward ran as ~64 small graphs.
+    85% instead of 92% (RESULTS.md, session 40). Without them the same run starts and steps (batch 1 5.69 ms,
+    batch 64 6.78 ms). XLA also keeps those kernels out of its CUDA graphs: a TP forward ran as ~64 small graphs.
 
     Not a default: `--xla_gpu_command_buffer_update_mode=SKIP_TEMP`. A CUDA graph is re-recorded
     whenever a buffer it uses moved, and the engine's loop moves a step's temporaries: re-recording
