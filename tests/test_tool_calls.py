@@ -101,10 +101,10 @@ def test_auto_needs_the_servers_flag_and_the_flags_are_checked_at_start_up():
                                    "with --enable-auto-tool-choice and --tool-call-parser")
     with pytest.raises(ValueError) as e:
         ToolCallingConfig(enable_auto_tool_choice=True)
-    assert str(e.value) == ("--enable-auto-tool-choice needs --tool-call-parser (one of hermes, llama3_json) to "
-                            "read the model's calls")
-    with pytest.raises(ValueError, match="^--tool-call-parser 'pythonic' is not known; choose one of hermes, "):
-        ToolCallingConfig(enable_auto_tool_choice=True, tool_call_parser="pythonic")
+    assert str(e.value) == ("--enable-auto-tool-choice needs --tool-call-parser (one of hermes, llama3_json, mistral, "
+                            "pythonic) to read the model's calls")
+    with pytest.raises(ValueError, match="^--tool-call-parser 'granite' is not known; choose one of hermes, "):
+        ToolCallingConfig(enable_auto_tool_choice=True, tool_call_parser="granite")
     assert ToolCallingConfig(exclude_tools_when_tool_choice_none=True).excludes_tools(ToolChoice("none"))
     assert not ToolCallingConfig(exclude_tools_when_tool_choice_none=True).excludes_tools(ToolChoice("required"))
     assert not ToolCallingConfig().excludes_tools(ToolChoice("none"))
@@ -115,7 +115,7 @@ def test_serve_refuses_bad_tool_flags_before_building_an_engine(capsys):
 
     assert main(["serve", "jengine/tiny-llama", "--enable-auto-tool-choice"]) == 2
     assert capsys.readouterr().err == ("jengine: error: --enable-auto-tool-choice needs --tool-call-parser (one of "
-                                       "hermes, llama3_json) to read the model's calls\n")
-    assert main(["serve", "jengine/tiny-llama", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"]) == 2
-    assert capsys.readouterr().err == ("jengine: error: --tool-call-parser 'mistral' is not known; choose one of "
-                                       "hermes, llama3_json\n")
+                                       "hermes, llama3_json, mistral, pythonic) to read the model's calls\n")
+    assert main(["serve", "jengine/tiny-llama", "--enable-auto-tool-choice", "--tool-call-parser", "granite"]) == 2
+    assert capsys.readouterr().err == ("jengine: error: --tool-call-parser 'granite' is not known; choose one of "
+                                       "hermes, llama3_json, mistral, pythonic\n")
