@@ -206,9 +206,11 @@ def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
                     raise ValueError(f"checkpoint in {model_dir!r}: {name} reads 8-bit tensors "
                                      f"{[h for h, _ in spec.sources]} only where every part of a linear layer is 8-bit")
                 sources = [_fp8_source(a, read(h + quantized.scale_suffix, name), h + quantized.scale_suffix,
-                                        quantized.block) for (h, _), a in zip(spec.sources, arrays)]
-                params.update(_fp8_param(name, np.concatenate([v for v, _ in sources], axis=0),
-                                         np.concatenate([s for _, s in sources]), layout))
+                                        quantized.block, on_host=layout is not None)
+                           for (h, _), a in zip(spec.sources, arrays)]
+                xp = np if layout is not None else jnp  # one device: folded blocks stay where they were made
+                params.update(_fp8_param(name, xp.concatenate([v for v, _ in sources], axis=0),
+                                         xp.concatenate([s for _, s in sources]), layout))
                 continue
             parts = [a.T if spec.transpose else a for a in arrays]
             array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
@@ -252,13 +254,15 @@ def _kv_cache_scales(files: dict[str, str], read, specs: dict[str, WeightSpec], 
             for i in sorted(layers)}
 
 
-def _fp8_source(values: np.ndarray, scale: np.ndarray, hf_name: str, block) -> tuple[np.ndarray, np.ndarray]:
+def _fp8_source(values: np.ndarray, scale: np.ndarray, hf_name: str, block, on_host: bool = True):
     """A checkpoint's 8-bit weight `[out, in]` and its scale tensor as values and one f32 scale per output channel:
-    from `[out]`/`[out, 1]` (per channel), `[]`/`[1]` (per tensor), or one per `block` tile."""
+    from `[out]`/`[out, 1]` (per channel), `[]`/`[1]` (per tensor), or one per `block` tile (folded on the default
+    device, and brought back only `on_host`)."""
     rows = values.shape[0]
     if block is not None:
         try:
-            return tuple(np.asarray(x) for x in fp8_from_blocks(values, scale, block))
+            folded = fp8_from_blocks(values, scale, block)
+            return tuple(np.asarray(x) for x in folded) if on_host else folded
         except ValueError as e:
             raise ValueError(f"scale tensor {hf_name!r}: {e}") from None
     if scale.size == 1:
