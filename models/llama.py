@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jengine.config import ModelConfig
-from jengine.kernels_pallas import add_rms_norm, swiglu_matmul
+from jengine.kernels_pallas import swiglu_matmul
 from jengine.kernels_pallas.ragged_paged_attention import is_fp8, ragged_paged_attention, write_kv
 from jengine.models.common import (
     KV_CACHE_SCALES,
@@ -121,26 +121,16 @@ def _mlp(params, cfg, x, tp):
     return linear(jax.nn.silu(gate) * up, params, "down")
 
 
-def _add_norm(x: jax.Array, delta: jax.Array, weight: jax.Array, cfg: ModelConfig, tp: int):
-    """The residual add and the RMSNorm of its result: `(x + delta, rms_norm(x + delta))`."""
-    if add_rms_norm.use_kernel(x, tp):
-        return add_rms_norm.add_rms_norm(x, delta, weight, cfg.rms_norm_eps)
-    return add_rms_norm.reference(x, delta, weight, cfg.rms_norm_eps)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
-def _layer(params: dict, next_norm: jax.Array, x: jax.Array, h: jax.Array, inp: ModelInput, kv_cache, cos, sin, *,
-           cfg: ModelConfig, mesh):
-    """One decoder layer on the residual stream `x` and its input-normed `h`; returns the new stream, the
-    stream normed by `next_norm` (the next layer's input norm, or the final norm) and the cache. Each
-    residual add and the norm after it are one step (`_add_norm`). Jitted on its own so that a step
-    traces and lowers it (and its attention kernel) once, not once per layer: the layers share shapes,
-    so their calls share one function; XLA inlines it again, so the compiled program is the same."""
-    tp = tp_size(mesh)
-    attn, kv_cache = _attention(params, cfg, h, inp, kv_cache, cos, sin, mesh)
-    x, h = _add_norm(x, attn, params["post_norm"], cfg, tp)
-    x, h = _add_norm(x, _mlp(params, cfg, h, tp), next_norm, cfg, tp)
-    return x, h, kv_cache
+def _layer(params: dict, x: jax.Array, inp: ModelInput, kv_cache, cos, sin, *, cfg: ModelConfig, mesh):
+    """One decoder layer. Jitted on its own so that a step traces and lowers it (and its attention
+    kernel) once, not once per layer: the layers share shapes, so their calls share one function;
+    XLA inlines it again, so the compiled program is the same."""
+    attn, kv_cache = _attention(params, cfg, rms_norm(x, params["input_norm"], cfg.rms_norm_eps), inp, kv_cache,
+                                cos, sin, mesh)
+    x = x + attn
+    x = x + _mlp(params, cfg, rms_norm(x, params["post_norm"], cfg.rms_norm_eps), tp_size(mesh))
+    return x, kv_cache
 
 
 def forward(params: dict, cfg: ModelConfig, inp: ModelInput, kv_caches: list,
@@ -151,16 +141,13 @@ def forward(params: dict, cfg: ModelConfig, inp: ModelInput, kv_caches: list,
     """
     x = params["embed"][inp.token_ids]  # [T, H]
     cos, sin = _rope_tables(cfg, inp.positions)
-    h = rms_norm(x, params["layers.0.input_norm"], cfg.rms_norm_eps)
     new_caches = []
     for i in range(cfg.num_hidden_layers):
         prefix = f"layers.{i}."
         layer_params = {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
-        last = i + 1 == cfg.num_hidden_layers
-        next_norm = params["final_norm"] if last else params[f"layers.{i + 1}.input_norm"]
-        x, h, cache = _layer(layer_params, next_norm, x, h, inp, kv_caches[i], cos, sin, cfg=cfg, mesh=mesh)
+        x, cache = _layer(layer_params, x, inp, kv_caches[i], cos, sin, cfg=cfg, mesh=mesh)
         new_caches.append(cache)
-    return new_caches, h
+    return new_caches, rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
