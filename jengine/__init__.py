@@ -9,7 +9,7 @@ import os
 __version__ = "0.1.0"
 
 _XLA_DEFAULTS = {
-    "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES",
+    "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL",  # not COLLECTIVES: see below
     "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel": "false",  # XLA's default is true: see below
 }
 # A default is left out where XLA_FLAGS names it, or the newer flag for the same setting (XLA's setter of the older one
@@ -40,7 +40,13 @@ def _default_xla_flags() -> None:
     program and device: on two H100s (80 GB, 8% of each outside the allocator) the 8B at TP 2 ran the GPUs out
     of memory in warm-up and hung there, with 1 or 4 loaded copies of the forwards and with the allocator at
     85% instead of 92% (RESULTS.md, session 40). Without them the same run starts and steps (batch 1 5.69 ms,
-    batch 64 6.78 ms). XLA also keeps those kernels out of its CUDA graphs: a TP forward ran as ~64 small graphs.
+    batch 64 6.78 ms). XLA also keeps those kernels out of its CUDA graphs.
+
+    The collectives (NCCL all-reduces) are left out of the CUDA graphs (no `COLLECTIVES` in the list): XLA
+    records a graph that holds a collective again before every run of it (all ~500 commands of a TP forward),
+    which made the host's launch the step under tensor parallelism. On two H200s (RESULTS.md, session 41; the
+    8B at TP 2) a step took 6.23 ms at batch 1 and 7.82 at batch 64 with them in the graphs, 4.95-5.10 and
+    6.89-7.20 without: the forward then runs as ~65 graphs cut at the all-reduces, none recorded again.
 
     Not a default: `--xla_gpu_command_buffer_update_mode=SKIP_TEMP`. A CUDA graph is re-recorded
     whenever a buffer it uses moved, and the engine's loop moves a step's temporaries: re-recording
@@ -48,7 +54,11 @@ def _default_xla_flags() -> None:
     addresses and cut it to ~0.5 ms, but it switches JAX to XLA's VMM allocator. That allocator reports
     no limit, XLA then plans programs for 80% of the device, and every H200 run whose weights and KV
     cache passed that failed (sessions 16-17). Under it `kv_cache.device_memory` sizes the KV cache
-    from the driver, inside that 80%: fewer pages than the ≥ 90% of free memory jengine gives them.
+    from the driver, inside that 80%: fewer pages than the ≥ 90% of free memory jengine gives them. Under
+    tensor parallelism it is the fastest setting measured, with `COLLECTIVES` back in the graphs: the graph is
+    still recorded before every run, but the host's launch took 3.0-3.2 ms a step against 5.4-6.1 (why was not
+    traced). The 8B at TP 2 on two H200s: 4.00 ms at batch 1 and 5.39 at batch 64 (session 41), with 18% fewer
+    KV pages. The README names it for TP users.
     """
     flags = os.environ.get("XLA_FLAGS", "")
     extra = [f"{name}={value}" for name, value in _XLA_DEFAULTS.items() if not _named(name, flags)]
