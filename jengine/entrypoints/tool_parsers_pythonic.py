@@ -42,7 +42,8 @@ class PythonCallReader:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.text = ""
+        self.parts: list[str] = []  # the call's text so far, in the pieces it came in (joined once, when whole)
+        self.name = ""  # the call's name as it is read
         self.brackets: list[str] = []  # the open brackets, the call's `(` first
         self.closed = False  # the call's `(` has closed
         self.quote = ""  # the open string's delimiter: one quote character or three
@@ -62,15 +63,16 @@ class PythonCallReader:
             if not self._step(ch):
                 self.error = f"unexpected {ch!r} in a call"
                 return n, []
-            self.text += ch
             if self.closed:
+                self.parts.append(text[: n + 1])
                 try:
-                    name, arguments = call_of(self.text)
+                    name, arguments = call_of("".join(self.parts))
                 except ValueError as e:
                     self.error = str(e)
                     return n + 1, []
                 self.named = True
                 return n + 1, [CallDelta(self.index, name=name, arguments=arguments)]
+        self.parts.append(text)
         return len(text), []
 
     def _step(self, ch: str) -> bool:
@@ -78,10 +80,13 @@ class PythonCallReader:
         if self.quote:
             return self._in_string(ch)
         if not self.brackets:  # the name, until its `(`
-            if ch == "(" and self.text:
+            if ch == "(" and self.name:
                 self.brackets.append(ch)
                 return True
-            return (self.text + ch).isidentifier()
+            if not (ch.isidentifier() if not self.name else ("_" + ch).isidentifier()):
+                return False
+            self.name += ch
+            return True
         if ch in "([{":
             self.brackets.append(ch)
         elif ch in _OPENING:
