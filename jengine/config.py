@@ -62,8 +62,10 @@ class RopeConfig:
 # per output channel or per tensor, `w = weight * weight_scale`, as vLLM's "fp8" serialization and the
 # compressed-tensors "float-quantized" FP8 checkpoints (e.g. the FP8-dynamic Llamas) store them; or with a scale per
 # block of the weight `[out, in]` (`weight_block_size` / `block_structure`, DeepSeek-V3's and the Qwen3 FP8
-# checkpoints' form), which the loader folds into one scale per output channel. Activations are quantized per token
-# at run time whatever the checkpoint says (its static `input_scale`s are not read).
+# checkpoints' form), which the loader folds into one scale per output channel. Activations are quantized to e4m3
+# too: with the checkpoint's static per-tensor `input_scale`s where it says so (`activation_scheme: "static"`, or
+# compressed-tensors' `input_activations` with `dynamic: false`), as vLLM does, else with a scale per token computed
+# at run time (also for weight-only checkpoints).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,7 @@ class CheckpointQuantization:
     block: tuple[int, int] | None = None
     scale_suffix: str = "_scale"
     method: str = "fp8"  # the `quantization` whose params the weights load into
+    static_inputs: bool = False  # activations scaled by the checkpoint's `<module>.input_scale` (one per tensor)
 
 
 def checkpoint_quantization(config) -> CheckpointQuantization | None:
@@ -91,11 +94,15 @@ def checkpoint_quantization(config) -> CheckpointQuantization | None:
                "or 'compressed-tensors' in its float-quantized format); load the unquantized model with "
                "quantization='fp8' instead")
     if method == "fp8":
-        block = config.get("weight_block_size")
+        scheme = config.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(f"config.json's quantization_config: activation_scheme must be 'dynamic' or 'static', "
+                             f"got {scheme!r}")
+        block, static = config.get("weight_block_size"), scheme == "static"
         if block is None:
-            return CheckpointQuantization()
+            return CheckpointQuantization(static_inputs=static)
         # vLLM's name for block-wise scales (they multiply all the same)
-        return CheckpointQuantization(_block(block, "weight_block_size"), "_scale_inv")
+        return CheckpointQuantization(_block(block, "weight_block_size"), "_scale_inv", static_inputs=static)
     if method != "compressed-tensors":
         raise ValueError(refused)
     groups = config.get("config_groups")
@@ -103,7 +110,7 @@ def checkpoint_quantization(config) -> CheckpointQuantization | None:
         return None  # only the 8-bit KV cache's scales (the loader reads them); the weights are plain
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{refused} (no config_groups)")
-    blocks = set()
+    blocks, static = set(), set()
     for name, group in groups.items():
         weights = group.get("weights") if isinstance(group, dict) else None
         if not isinstance(weights, dict):
@@ -115,10 +122,29 @@ def checkpoint_quantization(config) -> CheckpointQuantization | None:
                              f"strategy {scheme[2]!r})")
         blocks.add(_block(weights.get("block_structure"), f"config group {name!r}'s block_structure")
                    if scheme[2] == "block" else None)
+        static.add(_static_inputs(group.get("input_activations"), name, refused))
     if len(blocks) > 1:
         raise ValueError(f"{refused} (config groups mix block-wise and other scales, or blocks of different "
                          f"sizes: {sorted(map(str, blocks))})")
-    return CheckpointQuantization(blocks.pop())
+    if len(static) > 1:
+        raise ValueError(f"{refused} (config groups mix static and dynamic input activations)")
+    return CheckpointQuantization(blocks.pop(), static_inputs=static.pop())
+
+
+def _static_inputs(acts, group: str, refused: str) -> bool:
+    """Whether a compressed-tensors group's `input_activations` are static (an e4m3 scale per tensor, stored as
+    `input_scale`); None (weight-only) and dynamic ones are quantized per token at run time."""
+    if acts is None:
+        return False
+    if not isinstance(acts, dict):
+        raise ValueError(f"{refused} (config group {group!r}: input_activations must be an object or null)")
+    if acts.get("dynamic", True) is not False:
+        return False
+    scheme = (acts.get("num_bits"), acts.get("type"), acts.get("strategy"))
+    if scheme != (8, "float", "tensor"):
+        raise ValueError(f"{refused} (config group {group!r}: static input activations {scheme[0]}-bit "
+                         f"{scheme[1]}, strategy {scheme[2]!r}; jengine reads 8-bit float ones, one scale per tensor)")
+    return True
 
 
 def _block(value, field: str) -> tuple[int, int]:

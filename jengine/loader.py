@@ -36,7 +36,15 @@ from jengine.config import (
 from jengine.models import WeightSpec, get_model_family
 from jengine.models.common import KV_CACHE_SCALES
 from jengine.presets import resolve_model
-from jengine.quantization import FP8_DTYPE, fp8_from_blocks, fp8_shardings, linear_weights, quantize, scale_name
+from jengine.quantization import (
+    FP8_DTYPE,
+    fp8_from_blocks,
+    fp8_shardings,
+    input_scale_name,
+    linear_weights,
+    quantize,
+    scale_name,
+)
 from jengine.sharding import (
     TP,
     check_tensor_parallel,
@@ -78,7 +86,13 @@ def load_model(model: str, dtype: str | None = None, load_format: str = "auto",
     quantized = checkpoint_quantization(raw.get("quantization_config"))
     if load_format == "dummy":  # random weights quantized as the checkpoint's would be
         params = dummy_params(specs, cfg.dtype, seed, layout)
-        return cfg, quantize(params, linear_weights(specs), quantized.method) if quantized else params
+        if not quantized:
+            return cfg, params
+        params = quantize(params, linear_weights(specs), quantized.method)
+        if quantized.static_inputs:  # placeholders of 1: random weights have no calibration (the work is the same)
+            params.update({input_scale_name(name): jax.device_put(np.float32(1.0), _everywhere(layout))
+                           for name in linear_weights(specs)})
+        return cfg, params
     if load_format == "orbax":
         if quantized:
             raise ValueError(f"{model_dir!r} holds a pre-quantized ({quantized.method}) model: it loads from its "
@@ -179,7 +193,8 @@ def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
     beside it (`<module>.weight_scale`, per output channel or per tensor), in `jengine.quantization`'s layout: values
     `[out, in]` and f32 scales `[out]` (`scale_name`), fused and split over a mesh as that module's quantized
     weights are. Block-wise scales (`<module>.weight_scale_inv` or `.weight_scale`, one per tile) are folded into one
-    per output channel first (`quantization.fp8_from_blocks`)."""
+    per output channel first (`quantization.fp8_from_blocks`). Where the checkpoint's activations are static, each
+    layer's `<module>.input_scale` loads as `input_scale_name(name)` (the largest of a fused layer's parts)."""
     quantized = quantized or CheckpointQuantization()
     files = _tensor_files(model_dir)
     handles: dict[str, _Tensors] = {}
@@ -211,6 +226,8 @@ def load_safetensors(model_dir: str, specs: dict[str, WeightSpec], dtype: str,
                 xp = np if layout is not None else jnp  # one device: folded blocks stay where they were made
                 params.update(_fp8_param(name, xp.concatenate([v for v, _ in sources], axis=0),
                                          xp.concatenate([s for _, s in sources]), layout))
+                if quantized.static_inputs:
+                    params[input_scale_name(name)] = _input_scale(read, name, [h for h, _ in spec.sources], layout)
                 continue
             parts = [a.T if spec.transpose else a for a in arrays]
             array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
@@ -249,9 +266,26 @@ def _kv_cache_scales(files: dict[str, str], read, specs: dict[str, WeightSpec], 
             pair[which] = float(value.reshape(()))
     if not found:
         return {}
-    where = None if layout is None else NamedSharding(layout.mesh, PartitionSpec())  # every device holds them
-    return {f"layers.{i}.{KV_CACHE_SCALES}": jax.device_put(np.asarray(found.get(i, [1.0, 1.0]), np.float32), where)
-            for i in sorted(layers)}
+    return {f"layers.{i}.{KV_CACHE_SCALES}": jax.device_put(np.asarray(found.get(i, [1.0, 1.0]), np.float32),
+                                                           _everywhere(layout)) for i in sorted(layers)}
+
+
+def _input_scale(read, name: str, weights: list[str], layout) -> jax.Array:
+    """A layer's static activation scale (f32 `[]`, on every device): the largest of its parts' `input_scale`s
+    (fused q/k/v or gate/up read the same input; vLLM takes the largest too)."""
+    values = []
+    for weight in weights:
+        hf_name = weight.removesuffix(".weight") + ".input_scale"
+        value = read(hf_name, f"{name}'s static input activations")
+        if value.size != 1 or not np.isfinite(value).all() or float(value.reshape(())) <= 0:
+            raise ValueError(f"input scale {hf_name!r} must be one positive number, got {value.tolist()!r}")
+        values.append(float(value.reshape(())))
+    return jax.device_put(np.float32(max(values)), _everywhere(layout))
+
+
+def _everywhere(layout):
+    """Where a small param every device reads goes: the default device, or every device of the mesh."""
+    return None if layout is None else NamedSharding(layout.mesh, PartitionSpec())
 
 
 def _fp8_source(values: np.ndarray, scale: np.ndarray, hf_name: str, block, on_host: bool = True):
@@ -362,8 +396,8 @@ def load_orbax(path: str, specs: dict[str, WeightSpec], dtype: str,
                                              sharding=_orbax_sharding(layout, name, spec))
                   for name, spec in specs.items()}
         # the KV cache's scales, where the converted checkpoint had them: f32, on every device
-        scales = {name: jax.ShapeDtypeStruct((2,), jnp.float32, sharding=None if layout is None else NamedSharding(
-                  layout.mesh, PartitionSpec())) for name in stored if name.endswith("." + KV_CACHE_SCALES)}
+        scales = {name: jax.ShapeDtypeStruct((2,), jnp.float32, sharding=_everywhere(layout))
+                  for name in stored if name.endswith("." + KV_CACHE_SCALES)}
         restored = ckptr.restore(path, {**target, **scales})
     params = {name: jnp.asarray(restored.pop(name)) for name in scales}
     for name, value in restored.items():

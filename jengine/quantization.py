@@ -7,7 +7,8 @@ values contiguous: the operand layout of cuBLASLt's 8-bit GEMMs, and the faster 
 batch 1) with its scales beside it as `<name>_scale`. The weights take half the memory and half the bytes a
 decode step streams. The embedding and the LM head stay in the model's dtype, as in vLLM.
 
-`fp8_linear` quantizes each row of x too (e4m3, a dynamic scale per token, as vLLM's fp8 does on Hopper) and
+`fp8_linear` quantizes each row of x too (e4m3, a dynamic scale per token, as vLLM's fp8 does on Hopper; a
+pre-quantized checkpoint with static activation scales gives one per layer instead, `fp8_static`) and
 multiplies two 8-bit operands: cuBLASLt's fp8 GEMM or a Triton one, as XLA picks (on an H100 10-33% less time than
 bf16 from 256 rows; RESULTS.md, session 38). A
 token's rounding depends on its own row only, so quantizing adds no dependence on the batch (the buckets' GEMMs
@@ -32,6 +33,7 @@ QUANTIZATIONS = ("fp8",)
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 SCALE_SUFFIX = "_scale"
+INPUT_SCALE_SUFFIX = "_input_scale"  # a pre-quantized checkpoint's static activation scale (f32 [])
 _NK = (((1,), (1,)), ((), ()))  # x [T, K] times w [N, K]: contract both K axes
 
 
@@ -43,6 +45,10 @@ def check_quantization(value) -> None:
 
 def scale_name(name: str) -> str:
     return name + SCALE_SUFFIX
+
+
+def input_scale_name(name: str) -> str:
+    return name + INPUT_SCALE_SUFFIX
 
 
 def linear_weights(specs: dict) -> list[str]:
@@ -112,10 +118,19 @@ def fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (xf / scale).astype(FP8_DTYPE), scale
 
 
-def fp8_linear(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """`x [T, K] @ w` for a weight quantized by `fp8_weight` (q `[N, K]`, scale `[N]`), in x's dtype: x's rows
-    quantized (`fp8_rows`), the 8-bit product summed in f32 and rounded to x's dtype, then both scales applied."""
-    xq, x_scale = fp8_rows(x)
+def fp8_static(x: jax.Array, input_scale: jax.Array) -> jax.Array:
+    """`x` as e4m3 values at one static scale (a checkpoint's `input_scale`), saturated at ±448 as vLLM does."""
+    return jnp.clip(x.astype(jnp.float32) / input_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def fp8_linear(x: jax.Array, q: jax.Array, scale: jax.Array, input_scale: jax.Array | None = None) -> jax.Array:
+    """`x [T, K] @ w` for a weight quantized by `fp8_weight` (q `[N, K]`, scale `[N]`), in x's dtype: x quantized
+    (each row at its own scale, `fp8_rows`; or all at a checkpoint's static `input_scale`, `fp8_static`), the 8-bit
+    product summed in f32 and rounded to x's dtype, then both scales applied."""
+    if input_scale is None:
+        xq, x_scale = fp8_rows(x)
+    else:
+        xq, x_scale = fp8_static(x, input_scale), input_scale
     y = jax.lax.dot_general(xq, q, _NK, preferred_element_type=x.dtype)
     return (y.astype(jnp.float32) * x_scale * scale).astype(x.dtype)
 
@@ -156,4 +171,5 @@ def is_quantized(params: dict) -> bool:
 
 
 __all__ = ["FP8_DTYPE", "QUANTIZATIONS", "check_quantization", "fp8_from_blocks", "fp8_shardings", "fp8_linear",
-           "fp8_rows", "fp8_weight", "is_quantized", "linear_weights", "quantize", "scale_name"]
+           "fp8_rows", "fp8_static", "fp8_weight", "input_scale_name", "is_quantized", "linear_weights", "quantize",
+           "scale_name"]

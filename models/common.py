@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.config import RopeConfig
-from jengine.quantization import fp8_linear, scale_name
+from jengine.quantization import fp8_linear, input_scale_name, scale_name
 
 
 @jax.tree_util.register_dataclass
@@ -58,7 +58,7 @@ def linear(x: jax.Array, params: dict, name: str) -> jax.Array:
     scale = params.get(scale_name(name))
     if scale is None:
         return x @ w
-    return fp8_linear(x, w, scale)
+    return fp8_linear(x, w, scale, params.get(input_scale_name(name)))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
