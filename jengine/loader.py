@@ -258,12 +258,10 @@ def _kv_cache_scales(files: dict[str, str], read, specs: dict[str, WeightSpec], 
         match = _KV_SCALE.fullmatch(hf_name)
         if match is None or int(match[1]) not in layers:
             continue
-        value = read(hf_name, f"layers.{match[1]}.{KV_CACHE_SCALES}")
-        if value.size != 1 or not np.isfinite(value).all() or float(value.reshape(())) <= 0:
-            raise ValueError(f"KV cache scale {hf_name!r} must be one positive number, got {value.tolist()!r}")
+        value = _positive_scalar(read(hf_name, f"layers.{match[1]}.{KV_CACHE_SCALES}"), f"KV cache scale {hf_name!r}")
         pair = found.setdefault(int(match[1]), [1.0, 1.0])
         for which in {"k": (0,), "v": (1,), "kv": (0, 1)}[match[2].split("_")[0]]:
-            pair[which] = float(value.reshape(()))
+            pair[which] = value
     if not found:
         return {}
     return {f"layers.{i}.{KV_CACHE_SCALES}": jax.device_put(np.asarray(found.get(i, [1.0, 1.0]), np.float32),
@@ -273,14 +271,17 @@ def _kv_cache_scales(files: dict[str, str], read, specs: dict[str, WeightSpec], 
 def _input_scale(read, name: str, weights: list[str], layout) -> jax.Array:
     """A layer's static activation scale (f32 `[]`, on every device): the largest of its parts' `input_scale`s
     (fused q/k/v or gate/up read the same input; vLLM takes the largest too)."""
-    values = []
-    for weight in weights:
-        hf_name = weight.removesuffix(".weight") + ".input_scale"
-        value = read(hf_name, f"{name}'s static input activations")
-        if value.size != 1 or not np.isfinite(value).all() or float(value.reshape(())) <= 0:
-            raise ValueError(f"input scale {hf_name!r} must be one positive number, got {value.tolist()!r}")
-        values.append(float(value.reshape(())))
+    names = [weight.removesuffix(".weight") + ".input_scale" for weight in weights]
+    values = [_positive_scalar(read(hf_name, f"{name}'s static input activations"), f"input scale {hf_name!r}")
+              for hf_name in names]
     return jax.device_put(np.float32(max(values)), _everywhere(layout))
+
+
+def _positive_scalar(value: np.ndarray, what: str) -> float:
+    """A checkpoint's scale tensor as one float; a ValueError naming it unless it holds one finite positive number."""
+    if value.size != 1 or not np.isfinite(value).all() or float(value.reshape(())) <= 0:
+        raise ValueError(f"{what} must be one positive number, got {value.tolist()!r}")
+    return float(value.reshape(()))
 
 
 def _everywhere(layout):
