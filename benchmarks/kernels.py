@@ -28,7 +28,12 @@ from common import bench, net_us_per_call, positive_float, positive_int
 
 from jengine.engine_config import KV_CACHE_DTYPES
 from jengine.kernels_pallas.ragged_paged_attention import gpu as gpu_kernel
-from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic, ragged_paged_attention, reference, write_kv
+from jengine.kernels_pallas.ragged_paged_attention import (
+    gpu_mosaic,
+    ragged_paged_attention,
+    reference,
+    rope_and_write_kv,
+)
 
 HQ, HKV, D = 32, 8, 128
 
@@ -100,29 +105,32 @@ def bundled_decode(q, cache, kv_lens, table, page_size):
 
 
 def bench_write_kv(cache, num_tokens, calls, reps=5, impl=None):
-    """Median µs of one `write_kv` of `num_tokens` new tokens (`impl` None: the op's choice;
-    "reference": XLA's scatter), inside a jitted program with the cache donated as in the model's
-    step: programs of `calls` and `2 * calls` chained writes, the difference per extra write."""
+    """Median µs of one `rope_and_write_kv` of `num_tokens` new tokens (Q/K/V split, RoPE, K/V into the cache;
+    `impl` None: the op's choice, "reference": XLA's ops), inside a jitted program with the cache donated as in
+    the model's step: programs of `calls` and `2 * calls` chained calls, the difference per extra call."""
     hkv, num_pages, page_size, d = cache.shape[1:]
     k1, k2 = jax.random.split(jax.random.key(9))
-    ks = jax.random.normal(k1, (2 * calls, num_tokens, hkv, d), jnp.bfloat16)  # the model's K/V
-    vs = jax.random.normal(k2, (2 * calls, num_tokens, hkv, d), jnp.bfloat16)
+    qkvs = jax.random.normal(k1, (2 * calls, num_tokens, (HQ + 2 * hkv) * d), jnp.bfloat16)  # the QKV GEMM's outputs
+    angles = jax.random.uniform(k2, (num_tokens, d // 2), jnp.float32, 0, 100)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
     slots = jnp.asarray(np.random.default_rng(0).permutation(num_pages * page_size)[:num_tokens], jnp.int32)
 
     state = {"cache": cache}
 
     def seconds(n):
         @functools.partial(jax.jit, donate_argnums=0)
-        def many(cache, ks, vs, slots):
+        def many(cache, qkvs, slots):
+            qsum = jnp.zeros((), jnp.float32)
             for i in range(n):
-                cache = write_kv(cache, ks[i], vs[i], slots, impl=impl)
-            return cache
+                q, cache = rope_and_write_kv(cache, qkvs[i], cos, sin, slots, num_q_heads=HQ, impl=impl)
+                qsum += q[0, 0, 0].astype(jnp.float32)  # keeps each call's Q alive
+            return cache, qsum
 
-        state["cache"] = jax.block_until_ready(many(state["cache"], ks, vs, slots))
+        state["cache"] = jax.block_until_ready(many(state["cache"], qkvs, slots))[0]
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            state["cache"] = jax.block_until_ready(many(state["cache"], ks, vs, slots))
+            state["cache"] = jax.block_until_ready(many(state["cache"], qkvs, slots))[0]
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
@@ -323,7 +331,7 @@ def main(argv=None):
     p.add_argument("--no-bundled", action="store_true", help="skip JAX's bundled decode kernel")
     p.add_argument("--check", action="store_true", help="check against the reference first")
     p.add_argument("--write-kv", action="store_true",
-                   help="also time write_kv of each batch's new tokens (cache donated)")
+                   help="also time rope_and_write_kv of each batch's new tokens (cache donated)")
     p.add_argument("--anchors", action="store_true",
                    help="for prefill B=1, also time JAX's bundled dense causal attention kernels")
     p.add_argument("--region-profile", default=None, metavar="DIR",
@@ -390,9 +398,9 @@ def main(argv=None):
                     n_new = sum(q_lens)
                     rests = None  # the copies' memory goes back before the cache is written
                     written = n_new * HKV * D * 2 * kv_dtype.itemsize
-                    impls = [("reference", "write_kv XLA scatter")]
+                    impls = [("reference", "rope+write XLA")]
                     if jax.default_backend() == "gpu":
-                        impls.insert(0, ("gpu", "write_kv Pallas"))
+                        impls.insert(0, ("gpu", "rope+write Pallas"))
                     for impl, label in impls:
                         us, cache = bench_write_kv(args[1], n_new, a.calls, impl=impl)
                         args = (args[0], cache, *args[2:])

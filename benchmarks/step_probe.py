@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--num-tokens", type=positive_int, default=64, help="token bucket T the steps are padded to")
     parser.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9)
     parser.add_argument("--ablate", choices=("none", "attention", "write_kv", "both"), default="none",
-                        help="replace the attention op and/or the K/V write by no-ops, to price them")
+                        help="replace the attention op and/or the RoPE + K/V write by no-ops, to price them")
     args = parser.parse_args()
     if args.ablate != "none":
         from jengine.models import llama
@@ -48,7 +48,8 @@ def main() -> None:
         if args.ablate in ("attention", "both"):
             llama.ragged_paged_attention = lambda q, *a, **k: q
         if args.ablate in ("write_kv", "both"):
-            llama.write_kv = lambda cache, k, v, slots: cache
+            llama.rope_and_write_kv = lambda cache, qkv, cos, sin, slots, *, num_q_heads, kv_scales=None: (
+                qkv[:, : num_q_heads * cache.shape[4]].reshape(qkv.shape[0], num_q_heads, cache.shape[4]), cache)
     seqs = tuple(sorted(set(args.batch_sizes)))
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=1024, max_num_seqs=max(seqs),
                                     max_num_batched_tokens=max(args.num_tokens, max(seqs)),

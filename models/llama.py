@@ -19,12 +19,11 @@ import jax.numpy as jnp
 
 from jengine.config import ModelConfig
 from jengine.kernels_pallas import swiglu_matmul
-from jengine.kernels_pallas.ragged_paged_attention import is_fp8, ragged_paged_attention, write_kv
+from jengine.kernels_pallas.ragged_paged_attention import is_fp8, ragged_paged_attention, rope_and_write_kv
 from jengine.models.common import (
     KV_CACHE_SCALES,
     ModelInput,
     WeightSpec,
-    apply_rope,
     linear,
     rms_norm,
     rope_inv_freq,
@@ -78,36 +77,40 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
 
 def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
     num_tokens, tp = x.shape[0], tp_size(mesh)
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    hq_s, hkv_s = hq // tp, hkv // tp  # heads per shard
+    hq, d = cfg.num_attention_heads, cfg.head_dim
     qkv = linear(x, params, "qkv")  # [T, (Hq + 2 Hkv) D]
     if cfg.attention_bias:
         qkv = qkv + params["qkv_bias"]
-    qkv = qkv.reshape(num_tokens, tp, (hq_s + 2 * hkv_s) * d)  # [T, tp, per_shard]
-    q = qkv[:, :, : hq_s * d].reshape(num_tokens, hq, d)
-    k = qkv[:, :, hq_s * d : (hq_s + hkv_s) * d].reshape(num_tokens, hkv, d)
-    v = qkv[:, :, (hq_s + hkv_s) * d :].reshape(num_tokens, hkv, d)
+    qkv = qkv.reshape(num_tokens, tp, -1)  # [T, tp, per_shard], each shard's Q, K, V columns in turn
     if cfg.qk_norm:
-        q = rms_norm(q, params["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, params["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = _qk_norm(params, cfg, qkv, tp)
     scales = params.get(KV_CACHE_SCALES) if is_fp8(kv_cache.dtype) else None
-    if scales is not None:
-        q, k, v = (q * scales[0]).astype(q.dtype), (k / scales[0]).astype(k.dtype), (v / scales[1]).astype(v.dtype)
 
-    def attend(kv_cache, q, k, v, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
-        kv_cache = write_kv(kv_cache, k, v, slot_mapping)
+    def attend(kv_cache, qkv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, cos, sin, *scales):
+        q, kv_cache = rope_and_write_kv(kv_cache, qkv.reshape(num_tokens, -1), cos, sin, slot_mapping,
+                                        num_q_heads=hq // tp, kv_scales=scales[0] if scales else None)
         out = ragged_paged_attention(
             q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=d**-0.5, sliding_window=cfg.sliding_window,
         )  # [T, Hq, D]
         return kv_cache, out
 
-    kv_cache, out = per_head_shard(attend, mesh, 4)(
-        kv_cache, q, k, v, inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
+    kv_cache, out = per_head_shard(attend, mesh, 2)(
+        kv_cache, qkv, inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs, cos, sin,
+        *(() if scales is None else (scales,)))
     if scales is not None:
         out = (out * scales[1]).astype(out.dtype)
     return linear(out.reshape(num_tokens, hq * d), params, "o"), kv_cache
+
+
+def _qk_norm(params, cfg, qkv, tp):
+    """Qwen3's per-head RMSNorm of the queries and keys, before RoPE; `qkv` stays `[T, tp, per_shard]`."""
+    num_tokens, d = qkv.shape[0], cfg.head_dim
+    hq_s, hkv_s = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp  # heads per shard
+    heads = qkv.reshape(num_tokens, tp, hq_s + 2 * hkv_s, d)
+    q = rms_norm(heads[:, :, :hq_s], params["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(heads[:, :, hq_s : hq_s + hkv_s], params["k_norm"], cfg.rms_norm_eps)
+    return jnp.concatenate([q, k, heads[:, :, hq_s + hkv_s :]], axis=2).reshape(qkv.shape)
 
 
 def _mlp(params, cfg, x, tp):

@@ -4,7 +4,7 @@
 GPUs (the Mosaic GPU kernel in `gpu_mosaic.py` on Hopper where it supports the shapes, else the Triton
 kernel in `gpu.py`), the Pallas TPU kernel on TPUs, the pure-jnp reference elsewhere (CPU). `impl=`
 overrides the choice and `interpret=True` runs a Pallas kernel in interpret mode (tests on CPU).
-`write_kv` chooses the same way for writing new K/V into the cache.
+`rope_and_write_kv` (Q/K/V split, RoPE, K/V into the cache) chooses the same way.
 """
 
 from __future__ import annotations
@@ -17,14 +17,9 @@ import jax.numpy as jnp
 from . import reference
 from .reference import FP8_DTYPES, is_fp8, kv_cache_shape
 
-__all__ = ["FP8_DTYPES", "is_fp8", "kv_cache_shape", "ragged_paged_attention", "write_kv", "IMPLS"]
+__all__ = ["FP8_DTYPES", "is_fp8", "kv_cache_shape", "ragged_paged_attention", "rope_and_write_kv", "IMPLS"]
 
 IMPLS = ("gpu", "tpu", "reference")
-# GPU steps of at least this many tokens write their K/V with the Pallas kernel; smaller ones keep XLA's
-# scatter, which XLA fuses with the RoPE and the K/V split before it. In the 8B step on an H200
-# (benchmarks/RESULTS.md, session 7) the kernel took a 2048-token step's write from 35.6 to 11.9 µs per
-# layer, but at 64 tokens its extra kernels (the K/V it reads must exist as arrays) made the step slower.
-PALLAS_WRITE_MIN_TOKENS = 512
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -89,31 +84,43 @@ def _mosaic(q, kv_cache, config, interpret) -> bool:
                                     kv_dtype=kv_cache.dtype))
 
 
-def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
-             impl: str | None = None, interpret: bool = False) -> jax.Array:
-    """Write new K/V `[T, Hkv, D]` into their cache slots `[T]` (contract: `reference.write_kv`).
+def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array,
+                      *, num_q_heads: int, kv_scales: jax.Array | None = None, impl: str | None = None,
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """A step's fused projections `qkv` `[T, (Hq + 2 Hkv) D]` (Q, K, V columns) split into heads, Q and K
+    rotated by the RoPE tables `cos`/`sin` `[T, D/2]`, K and V written into their cache slots `[T]` (slot -1:
+    padding, nothing written). Returns (q `[T, Hq, D]`, the cache). Contract: `reference.rope_and_write_kv`.
 
-    impl None: on GPUs, steps of `PALLAS_WRITE_MIN_TOKENS` or more use the Pallas kernel in
-    `gpu_write_kv.py`, others XLA's scatter (the reference); TPUs and the CPU use the scatter.
-    impl="gpu" always asks for the kernel (where it supports the head size)."""
-    _check(k.ndim == 3 and k.shape == v.shape, "k", f"and v must both be [T, Hkv, D], got {k.shape} and {v.shape}",
-           "write_kv")
-    _check(kv_cache.ndim == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[1] == k.shape[1]
-           and kv_cache.shape[4] == k.shape[2], "kv_cache",
-           f"must be [2, Hkv={k.shape[1]}, num_pages, page_size, D={k.shape[2]}], got shape {kv_cache.shape}",
-           "write_kv")
-    _check(slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == jnp.int32, "slot_mapping",
-           f"must be int32 [T={k.shape[0]}], got {slot_mapping.dtype} {slot_mapping.shape}", "write_kv")
-    if impl is None:
-        impl = _default_impl() if k.shape[0] >= PALLAS_WRITE_MIN_TOKENS else "reference"
+    impl None: the Pallas kernel in `gpu_write_kv.py` on GPUs, XLA's ops (the reference) on TPUs and the CPU;
+    impl="gpu" asks for the kernel (where it supports the head size)."""
+    op = "rope_and_write_kv"
+    _check(kv_cache.ndim == 5 and kv_cache.shape[0] == 2, "kv_cache",
+           f"must be [2, Hkv, num_pages, page_size, D], got shape {kv_cache.shape}", op)
+    _, num_kv_heads, _, _, head_dim = kv_cache.shape
+    _check(isinstance(num_q_heads, int) and num_q_heads > 0 and num_q_heads % num_kv_heads == 0, "num_q_heads",
+           f"must be a positive multiple of the cache's {num_kv_heads} kv heads, got {num_q_heads!r}", op)
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    _check(qkv.ndim == 2 and qkv.shape[1] == width, "qkv",
+           f"must be [T, (Hq + 2 Hkv) * D = {width}], got shape {qkv.shape}", op)
+    num_tokens = qkv.shape[0]
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check(table.shape == (num_tokens, head_dim // 2) and table.dtype == jnp.float32, name,
+               f"must be float32 [T={num_tokens}, D/2={head_dim // 2}], got {table.dtype} {table.shape}", op)
+    _check(slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == jnp.int32, "slot_mapping",
+           f"must be int32 [T={num_tokens}], got {slot_mapping.dtype} {slot_mapping.shape}", op)
+    _check(kv_scales is None or (kv_scales.shape == (2,) and kv_scales.dtype == jnp.float32), "kv_scales",
+           f"must be None or float32 [2], got {getattr(kv_scales, 'dtype', None)} {getattr(kv_scales, 'shape', None)}",
+           op)
+    impl = _default_impl() if impl is None else impl
     if impl not in IMPLS:
-        raise ValueError(f"write_kv: `impl` must be one of {IMPLS} or None, got {impl!r}")
+        raise ValueError(f"{op}: `impl` must be one of {IMPLS} or None, got {impl!r}")
+    args = (kv_cache, qkv, cos, sin, slot_mapping, num_q_heads, kv_scales)
     if impl == "gpu":
         from . import gpu_write_kv
 
-        if gpu_write_kv.supports(k.shape[2]):
-            return gpu_write_kv.write_kv_gpu(kv_cache, k, v, slot_mapping, interpret=interpret)
-    return reference.write_kv(kv_cache, k, v, slot_mapping)
+        if gpu_write_kv.supports(head_dim):
+            return gpu_write_kv.rope_and_write_kv_gpu(*args, interpret=interpret)
+    return reference.rope_and_write_kv(*args)
 
 
 def ragged_paged_attention(

@@ -53,6 +53,39 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     return kv_cache.at[:, :, page, offset].set(kv, mode="drop")
 
 
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on `[T, H, D]` with tables `[T, D/2]` (the transformers layout), computed in f32."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def split_heads(qkv: jax.Array, num_q_heads: int, num_kv_heads: int, head_dim: int):
+    """A step's fused projections `[T, (Hq + 2 Hkv) D]` (Q, then K, then V columns) as q, k, v `[T, H, D]`."""
+    num_tokens = qkv.shape[0]
+    k0, v0 = num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim
+    return (qkv[:, :k0].reshape(num_tokens, num_q_heads, head_dim),
+            qkv[:, k0:v0].reshape(num_tokens, num_kv_heads, head_dim),
+            qkv[:, v0:].reshape(num_tokens, num_kv_heads, head_dim))
+
+
+def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: jax.Array,
+                      slot_mapping: jax.Array, num_q_heads: int, kv_scales: jax.Array | None = None):
+    """Split `qkv` into heads, rotate Q and K (RoPE), write K and V into their slots; returns (q, cache).
+
+    With `kv_scales` (f32 `[2]`, K's and V's, for an 8-bit cache) the cache gets k / k_scale and
+    v / v_scale and q comes back multiplied by k_scale, each rounded to qkv's dtype first (the order
+    every implementation follows, so that they agree bit for bit)."""
+    q, k, v = split_heads(qkv, num_q_heads, kv_cache.shape[1], kv_cache.shape[4])
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if kv_scales is not None:
+        q = (q * kv_scales[0]).astype(qkv.dtype)
+        k, v = (k / kv_scales[0]).astype(qkv.dtype), (v / kv_scales[1]).astype(qkv.dtype)
+    return q, write_kv(kv_cache, k, v, slot_mapping)
+
+
 def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
     """Per query token: its sequence index `[T]`, its absolute position `[T]`, and whether it is real."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
