@@ -256,7 +256,7 @@ class BlockManager:
         The scheduler calls this when it schedules a step, with the tokens whose K/V exist once the
         step has run, so a request admitted later in the same step can already share them. That is
         safe because the step writes every new K/V of the batch before any attention reads in each
-        layer (`write_kv` then attention). A block whose key is already cached in another page stays
+        layer (`rope_and_write_kv` then attention). A block whose key is already cached in another page stays
         private (and returns to the plain free list when released).
         """
         if not self.enable_prefix_caching:

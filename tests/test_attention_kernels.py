@@ -3,8 +3,8 @@
 Every case builds its cache from a randomly permuted page table, fills every page and slot that no
 sequence owns with NaN, fills padding query rows with NaN and points unused page-table entries at
 random pages, so any stray read poisons the output. Shapes are tiny: each case is one interpret run.
-The Hopper Mosaic GPU kernel has its own file (test_attention_mosaic.py), and so has the K/V write
-(test_write_kv.py); both build their cases with `make_case` from here.
+The Hopper Mosaic GPU kernel has its own file (test_attention_mosaic.py), which builds its cases with `make_case`
+from here, and so has the RoPE + K/V write (test_rope_and_write_kv.py).
 """
 
 from __future__ import annotations

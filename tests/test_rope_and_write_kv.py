@@ -114,10 +114,10 @@ def test_names_bad_arguments():
 
 
 def test_uses_the_kernel_on_gpus_where_it_tiles(monkeypatch):
-    from jengine.kernels_pallas.ragged_paged_attention import gpu_write_kv
+    from jengine.kernels_pallas.ragged_paged_attention import gpu_rope_write_kv
 
     monkeypatch.setattr(rpa, "_default_impl", lambda: "gpu")
-    monkeypatch.setattr(gpu_write_kv, "rope_and_write_kv_gpu", lambda *a, **kw: "kernel")
+    monkeypatch.setattr(gpu_rope_write_kv, "rope_and_write_kv_gpu", lambda *a, **kw: "kernel")
     qkv, cos, sin, slots = (jnp.asarray(a) for a in _case(4))
     cache = jnp.zeros(reference.kv_cache_shape(NUM_PAGES, PAGE_SIZE, HKV, D))
     assert rpa.rope_and_write_kv(cache, qkv, cos, sin, slots, num_q_heads=HQ) == "kernel"

@@ -49,7 +49,7 @@ class FakeDevice:
             self.pages[dev] = list(self.host[cpu])
         for src, dst in out.blocks_to_copy:
             self.pages[dst] = list(self.pages[src])
-        for s in out.scheduled:  # like write_kv: the whole batch's K/V lands before attention reads
+        for s in out.scheduled:  # like rope_and_write_kv: the whole batch's K/V lands before attention reads
             assert 0 not in s.block_table, "null page handed to a request"
             for k, tok in enumerate(s.token_ids):
                 p = s.start_position + k

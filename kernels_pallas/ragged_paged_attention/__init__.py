@@ -91,7 +91,7 @@ def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: 
     rotated by the RoPE tables `cos`/`sin` `[T, D/2]`, K and V written into their cache slots `[T]` (slot -1:
     padding, nothing written). Returns (q `[T, Hq, D]`, the cache). Contract: `reference.rope_and_write_kv`.
 
-    impl None: the Pallas kernel in `gpu_write_kv.py` on GPUs, XLA's ops (the reference) on TPUs and the CPU;
+    impl None: the Pallas kernel in `gpu_rope_write_kv.py` on GPUs, XLA's ops (the reference) on TPUs and the CPU;
     impl="gpu" asks for the kernel (where it supports the head size)."""
     op = "rope_and_write_kv"
     _check(kv_cache.ndim == 5 and kv_cache.shape[0] == 2, "kv_cache",
@@ -116,10 +116,10 @@ def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: 
         raise ValueError(f"{op}: `impl` must be one of {IMPLS} or None, got {impl!r}")
     args = (kv_cache, qkv, cos, sin, slot_mapping, num_q_heads, kv_scales)
     if impl == "gpu":
-        from . import gpu_write_kv
+        from . import gpu_rope_write_kv
 
-        if gpu_write_kv.supports(head_dim):
-            return gpu_write_kv.rope_and_write_kv_gpu(*args, interpret=interpret)
+        if gpu_rope_write_kv.supports(head_dim):
+            return gpu_rope_write_kv.rope_and_write_kv_gpu(*args, interpret=interpret)
     return reference.rope_and_write_kv(*args)
 
 
