@@ -278,6 +278,19 @@ def test_kernels_bench_times_net_of_program_cost(tmp_path):
             kernels.main(["--impl", "reference", "--mode", "decode", "--batch", "8", "--ctx", "64", "--timer", "cupti"])
 
 
+def test_kernels_bench_times_the_rope_and_kv_write(tmp_path):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import kernels
+
+    out = tmp_path / "k.json"
+    kernels.main(["--impl", "reference", "--mode", "decode", "--batch", "8", "--ctx", "256", "--calls", "4",
+                  "--no-bundled", "--write-kv", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    (write,) = [r for r in rows if r["config"].startswith("rope+write")]
+    assert write["config"] == "rope+write XLA" and write["batch"] == 8 and "us" in write and "write_gb_s" in write
+
+
 def test_gemm_bench_times_each_projection_and_the_swiglu_product(tmp_path):
     data = _run("gemm", ["--model", "jengine/tiny-llama", "--m", "1", "8", "--calls", "2", "--no-pallas"], tmp_path)
     ops = {(r["m"], r["op"], r["impl"]) for r in data["rows"]}
