@@ -103,6 +103,18 @@ def swiglu(h):
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(h.dtype)
 
 
+def split_k(s: int, reduce: bool):
+    """x @ w as an explicit split-K product: a batched dot over s slices of K giving the f32 partial sums
+    `[s, M, N]` (what a kernel after the GEMM could add up itself), or (reduce) their sum in x's dtype."""
+    def fn(x, w):
+        m, k = x.shape
+        parts = jnp.einsum("smk,skn->smn", x.reshape(m, s, k // s).transpose(1, 0, 2), w.reshape(s, k // s, -1),
+                           preferred_element_type=jnp.float32)
+        return parts.sum(axis=0).astype(x.dtype) if reduce else parts
+
+    return fn
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="jengine/llama-3.1-8b", help="model dir or preset (its config.json)")
@@ -118,8 +130,13 @@ def main(argv=None):
     p.add_argument("--fp8", action="store_true",
                    help="also time fp8 weights (quantization='fp8'): the engine's 8-bit x 8-bit product with per-row "
                         "activation scales (W8A8), the weight converted in the GEMM (W8A16), and the kernels XLA chose")
+    p.add_argument("--split-k", type=positive_int, nargs="+", default=[], metavar="S",
+                   help="also time each projection as an explicit split-K batched dot over S slices of K: its f32 "
+                        "partial sums alone (XLA times its own split-K with the reduction), and with their sum")
     p.add_argument("--output-json", default=None)
     a = p.parse_args(argv)
+    if any(s & (s - 1) for s in a.split_k):
+        p.error(f"--split-k: each S must be a power of two, got {a.split_k}")
     if a.timer == "cupti" and jax.default_backend() != "gpu":
         raise SystemExit("--timer cupti needs a GPU (CUPTI counts CUDA kernels)")
     from jengine.kernels_pallas.ragged_paged_attention.gpu_mosaic import on_hopper
@@ -142,6 +159,8 @@ def main(argv=None):
                      ("xla triton only", lambda x, w: x @ w, (x, w), TRITON_ONLY),
                      ("xla cublaslt", lambda x, w: x @ w, (x, w), CUBLASLT),
                      ("xla cublas, w as [N, K]", lambda x, wt: x @ wt.T, (x, w.T.copy()), CUBLAS)]
+            impls += [(f"xla split-k {s}{suffix}", split_k(s, reduce), (x, w), None)
+                      for s in a.split_k if k % s == 0 for suffix, reduce in (("", False), (" + sum", True))]
             if a.fp8:
                 impls += fp8_impls(x, w)
             if pallas:
@@ -163,9 +182,11 @@ def main(argv=None):
                 if fn is None or (a.only and not any(text in impl for text in a.only)):
                     continue
                 try:  # distinct weight copies in turn, so that a call does not find the last one's in L2
-                    if impl.startswith(("pallas", "swiglu_matmul", "fp8")):
+                    if impl.startswith(("pallas", "swiglu_matmul", "fp8", "xla split-k")):
                         want = fused_reference if impl.startswith("swiglu_matmul") else reference
                         got = jax.jit(fn)(*args).astype(jnp.float32)
+                        if impl.startswith("xla split-k") and got.ndim == 3:  # the partial sums: checked summed
+                            got = got.sum(axis=0)
                         error = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                         if impl.startswith("fp8"):  # 8-bit rounding: reported, with the kernels chosen
                             print(f"{m:>6} {name:10} {impl:32} error {error:.3g}, kernels "

@@ -108,6 +108,7 @@ def test_latency_trace_reads_the_engines_own_steps(tmp_path):
     ("prefix", ["--suffix-len", "-2"], "must be an integer >= 0, got -2"),
     ("long_context", ["--long-input-lens", "100", "0"], "must be a positive integer, got 0"),
     ("serving", ["--request-rate", "-1"], "must be a number > 0, got -1"),
+    ("gemm", ["--split-k", "3"], "each S must be a power of two, got [3]"),
 ])
 def test_bad_counts_and_lengths_are_usage_errors(name, argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -301,6 +302,14 @@ def test_gemm_bench_times_each_projection_and_the_swiglu_product(tmp_path):
                 (m, "down", "swiglu into autotuned")} <= ops
     # (The program timer reports nan, with a warning, for calls too short for its clock.)
     assert all(not r["us"] <= 0 for r in data["rows"]) and any(r["us"] > 0 for r in data["rows"])
+
+
+def test_gemm_bench_times_an_explicit_split_k_and_checks_it(tmp_path):
+    data = _run("gemm", ["--model", "jengine/tiny-llama", "--m", "8", "--calls", "2", "--no-pallas", "--ops", "qkv",
+                         "down", "--split-k", "2", "4", "--only", "split-k"], tmp_path)
+    got = {(r["op"], r["impl"]) for r in data["rows"]}
+    assert got == {(op, f"xla split-k {s}{suffix}") for op in ("qkv", "down") for s in (2, 4)
+                   for suffix in ("", " + sum")}
 
 
 def test_kernels_region_summary_reads_the_in_kernel_trace(tmp_path):
