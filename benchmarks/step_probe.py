@@ -48,8 +48,10 @@ def main() -> None:
         if args.ablate in ("attention", "both"):
             llama.ragged_paged_attention = lambda q, *a, **k: q
         if args.ablate in ("write_kv", "both"):
+            from jengine.kernels_pallas.ragged_paged_attention.reference import split_heads
+
             llama.rope_and_write_kv = lambda cache, qkv, cos, sin, slots, *, num_q_heads, kv_scales=None: (
-                qkv[:, : num_q_heads * cache.shape[4]].reshape(qkv.shape[0], num_q_heads, cache.shape[4]), cache)
+                split_heads(qkv, num_q_heads, cache.shape[1], cache.shape[4])[0], cache)
     seqs = tuple(sorted(set(args.batch_sizes)))
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=1024, max_num_seqs=max(seqs),
                                     max_num_batched_tokens=max(args.num_tokens, max(seqs)),
