@@ -407,7 +407,7 @@ def main(argv=None):
                         rows.append(dict(mode=mode, batch=b, ctx=ctx, config=label, us=us,
                                          write_gb_s=written / us / 1e3))
                         print(f"{'':8}{'':>5}{'':>7}  {label + ' (' + str(n_new) + ' tokens)':36}{us:10.1f}"
-                              f"  {written / us / 1e3:.1f} GB/s written", flush=True)
+                              f"  {written / us / 1e3:.1f} GB/s of K/V written", flush=True)
                 if mode == "prefill" and b == 1 and a.anchors:
                     for name, us in dense_anchors(ctx, a.calls, timed).items():
                         rows.append(dict(mode=mode, batch=b, ctx=ctx, config=name, us=us, tflop_s=flops / us / 1e6))
