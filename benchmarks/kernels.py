@@ -29,7 +29,6 @@ from common import bench, net_us_per_call, positive_float, positive_int
 from jengine.engine_config import KV_CACHE_DTYPES
 from jengine.kernels_pallas.ragged_paged_attention import gpu as gpu_kernel
 from jengine.kernels_pallas.ragged_paged_attention import (
-    gpu_decode,
     gpu_mosaic,
     ragged_paged_attention,
     reference,
@@ -281,14 +280,11 @@ def parse_config(text):
     'm:block_kv,stages,splits[,block_q[,compute_warpgroups]]' = a Mosaic tile (an empty block_q: the
     default); 'mt:block_kv,stages,splits[,block_q]' = the transposed Mosaic kernel's (block_q 1: decode
     buckets' one-token items, which the table uses and which key splits need; none: prompt blocks too);
-    'd:block_kv,splits,warps,stages' = the small-decode kernel's; 'block_q,block_kv,splits,warps,stages' = a
-    Triton tile (one launch)."""
+    'block_q,block_kv,splits,warps,stages' = a Triton tile (one launch)."""
     if not text:
         return None
     if text == "triton":
         return "triton"
-    if text.startswith("d:"):
-        return gpu_decode.DecodeConfig(*(int(x) for x in text[2:].split(",")))
     if text.startswith("mt:"):
         fields = [int(x) if x else None for x in text[3:].split(",")]
         return gpu_mosaic.MosaicConfig(*fields[:3], block_q=fields[3] if len(fields) > 3 else None, transposed=True)
@@ -299,8 +295,6 @@ def parse_config(text):
 
 def config_name(cfg):
     """A tile as `--configs` spells it."""
-    if isinstance(cfg, gpu_decode.DecodeConfig):
-        return "d:" + ",".join(str(v) for v in vars(cfg).values())
     if isinstance(cfg, gpu_mosaic.MosaicConfig):
         if cfg.transposed:
             block_q = "" if cfg.block_q is None else f",{cfg.block_q}"
@@ -324,8 +318,7 @@ def main(argv=None):
     p.add_argument("--configs", default="", help="';'-separated configs to time side by side (default: the "
                    "table): '' (the table), 'triton' (the Triton table tile), "
                    "'m:block_kv,stages,splits[,block_q[,wgs]]' (Mosaic tile), 'mt:block_kv,stages,splits[,block_q]' "
-                   "(transposed Mosaic tile; block_q 1 for decode buckets' items), 'd:block_kv,splits,warps,stages' "
-                   "(small-decode kernel), "
+                   "(transposed Mosaic tile; block_q 1 for decode buckets' items), "
                    "'block_q,block_kv,splits,warps,stages' (Triton tile)")
     p.add_argument("--max-tokens", type=positive_int, default=65536, help="skip prefill shapes with more q tokens")
     p.add_argument("--max-kv-gb", type=positive_float, default=24.0, help="skip shapes whose cache is larger")

@@ -1,8 +1,8 @@
 """Ragged paged attention: one op for decode, prefill and mixed batches.
 
 `ragged_paged_attention` is the one place that chooses an implementation: the Pallas GPU kernels on
-GPUs (decode buckets of few tokens: the small-decode kernel in `gpu_decode.py`; otherwise the Mosaic GPU
-kernel in `gpu_mosaic.py` on Hopper where it supports the shapes, else the Triton kernel in `gpu.py`), the Pallas TPU kernel on TPUs, the pure-jnp reference elsewhere (CPU). `impl=`
+GPUs (the Mosaic GPU kernel in `gpu_mosaic.py` on Hopper where it supports the shapes, else the Triton
+kernel in `gpu.py`), the Pallas TPU kernel on TPUs, the pure-jnp reference elsewhere (CPU). `impl=`
 overrides the choice and `interpret=True` runs a Pallas kernel in interpret mode (tests on CPU).
 `rope_and_write_kv` (Q/K/V split, RoPE, K/V into the cache) chooses the same way.
 """
@@ -84,19 +84,6 @@ def _mosaic(q, kv_cache, config, interpret) -> bool:
                                     kv_dtype=kv_cache.dtype))
 
 
-def _small_decode(q, kv_cache, page_indices, config) -> bool:
-    """GPU: whether the small-decode kernel runs: a `DecodeConfig` asks for it; with the table (config None)
-    decode buckets of few tokens take it (`gpu_decode.applies`) where it supports the shapes."""
-    from . import gpu_decode
-
-    if isinstance(config, gpu_decode.DecodeConfig):
-        return True
-    num_tokens, _, head_dim = q.shape
-    _, num_kv_heads, _, page_size, _ = kv_cache.shape
-    return (config is None and gpu_decode.applies(num_tokens, page_indices.shape[0], num_kv_heads)
-            and gpu_decode.supports(head_dim, page_size, max(64, page_size)))
-
-
 def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array,
                       *, num_q_heads: int, kv_scales: jax.Array | None = None, impl: str | None = None,
                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -155,8 +142,8 @@ def ragged_paged_attention(
 
     impl: "gpu", "tpu" or "reference"; None picks by `jax.default_backend()`.
     interpret: run the chosen Pallas kernel in interpret mode (CPU tests).
-    config: a tuning override that also picks the kernel (`gpu.GpuConfig` / `gpu_mosaic.MosaicConfig` /
-    `gpu_decode.DecodeConfig` / `tpu.TpuConfig`), else the table.
+    config: a tuning override for the chosen kernel (`gpu.GpuConfig` / `gpu_mosaic.MosaicConfig` /
+    `tpu.TpuConfig`), else the table.
     """
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap)
@@ -168,10 +155,8 @@ def ragged_paged_attention(
     if impl == "reference":
         return reference.ragged_paged_attention(*args, **kw)
     if impl == "gpu":
-        from . import gpu, gpu_decode, gpu_mosaic
+        from . import gpu, gpu_mosaic
 
-        if _small_decode(q, kv_cache, page_indices, config):
-            return gpu_decode.decode_attention_gpu(*args, **kw, config=config, interpret=interpret)
         if _mosaic(q, kv_cache, config, interpret):
             return gpu_mosaic.ragged_attention_mosaic(*args, **kw, config=config)
         return gpu.ragged_paged_attention_gpu(*args, **kw, config=config, interpret=interpret)

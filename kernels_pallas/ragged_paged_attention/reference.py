@@ -86,12 +86,10 @@ def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: 
     return q, write_kv(kv_cache, k, v, slot_mapping)
 
 
-def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
-                    method: str = "scan"):
-    """Per query token: its sequence index `[T]`, its absolute position `[T]`, and whether it is real.
-    `method`: `jnp.searchsorted`'s ("compare_all": a few vector ops instead of a device loop, for small T)."""
+def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
+    """Per query token: its sequence index `[T]`, its absolute position `[T]`, and whether it is real."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right", method=method).astype(jnp.int32)
+    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
     real = t < cu_q_lens[num_seqs[0]]
     seq = jnp.where(real, jnp.minimum(seq, kv_lens.shape[0] - 1), 0)
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
