@@ -3,9 +3,11 @@
     python benchmarks/profile_step.py --batch-sizes 1 64 --context 256 --steps 10
 
 For each batch size: B decode rows at `--context` tokens are padded to the smallest token bucket
-that holds them; the step is launched back to back as the engine does (`ModelRunner.execute`), timed,
-then traced. The trace's GPU kernels are summed per category (matmul, attention, K/V write, other
-fusions, copies) and the idle time between kernels is reported: what a step costs beyond its kernels.
+that holds them and to the sequence bucket an engine with max_num_seqs = the largest batch would pick
+(its default buckets: batch 1 runs as 8 rows, a decode-shaped bucket, as in a server); the step is
+launched back to back as the engine does (`ModelRunner.execute`), timed, then traced. The trace's GPU
+kernels are summed per category (matmul, attention, K/V write, other fusions, copies) and the idle time
+between kernels is reported: what a step costs beyond its kernels.
 Run it under different `XLA_FLAGS` to compare compiler settings on the same step.
 """
 
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     max_len = args.max_model_len or max(1024, 2 * (args.context + args.prefill_len))
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=max_len,
                                     max_num_seqs=max(seqs), max_num_batched_tokens=max(buckets),
-                                    token_buckets=buckets, seq_buckets=seqs,
+                                    token_buckets=buckets,  # the engine's sequence buckets, as a server's
                                     gpu_memory_utilization=args.gpu_memory_utilization,
                                     kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                                     quantization=args.quantization,

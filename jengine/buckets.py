@@ -48,11 +48,14 @@ def default_token_buckets(max_num_batched_tokens: int, min_bucket: int = 8,
 
 
 def default_seq_buckets(max_num_seqs: int, min_bucket: int = 8) -> tuple[int, ...]:
-    """Buckets for S, the sequences of one step (8, 16, ... up to max_num_seqs).
+    """Buckets for S, the sequences of one step (8, 16, ... up to max_num_seqs; at least `min_bucket`).
 
-    A padded sequence costs one empty row of metadata, so coarse buckets are cheap here.
+    A padded sequence costs one empty row of metadata, so coarse buckets are cheap here. Below 8 rows an
+    8-token step would not be decode-shaped (`is_decode_bucket`: T <= 2 S) and its attention would take the
+    query-block kernel: with `max_num_seqs=1` the 8B model's batch-1 attention took 8.8 µs a layer against
+    4.9 in the decode kernel (H200, RESULTS.md session 43), so S never goes below 8.
     """
-    return make_buckets(max_num_seqs, min_bucket)
+    return make_buckets(max(max_num_seqs, min_bucket), min_bucket)
 
 
 def normalize_buckets(values: Iterable[int], cap: int | None = None) -> tuple[int, ...]:
