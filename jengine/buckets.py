@@ -53,7 +53,8 @@ def default_seq_buckets(max_num_seqs: int, min_bucket: int = 8) -> tuple[int, ..
     A padded sequence costs one empty row of metadata, so coarse buckets are cheap here. Below 8 rows an
     8-token step would not be decode-shaped (`is_decode_bucket`: T <= 2 S) and its attention would take the
     query-block kernel: with `max_num_seqs=1` the 8B model's batch-1 attention took 8.8 µs a layer against
-    4.9 in the decode kernel (H200, RESULTS.md session 43), so S never goes below 8.
+    4.9 µs plus a 1.3 µs merge of its key splits in the decode kernel (H200 profiles, RESULTS.md session 43),
+    so S never goes below 8.
     """
     return make_buckets(max(max_num_seqs, min_bucket), min_bucket)
 
