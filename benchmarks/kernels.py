@@ -38,15 +38,21 @@ from jengine.kernels_pallas.ragged_paged_attention import (
 HQ, HKV, D = 32, 8, 128
 
 
-def make_batch(key, q_lens, kv_lens, *, page_size, dtype, hq=HQ, hkv=HKV, d=D, kv_dtype=None, page_order="random"):
+def make_batch(key, q_lens, kv_lens, *, page_size, dtype, hq=HQ, hkv=HKV, d=D, kv_dtype=None, page_order="random",
+               num_tokens=None, num_seqs=None, max_model_len=None):
     """Random q, a cache holding exactly the sequences' pages (in `kv_dtype`, default q's), and the
     metadata. `page_order`: "random" permutes the pages; "runs" gives each sequence consecutive pages
-    (as prompts written from a fresh free list), sequences in order."""
+    (as prompts written from a fresh free list), sequences in order.
+
+    Padded as an engine's step is, where given: q to `num_tokens` rows (the token bucket), the metadata to
+    `num_seqs` sequence rows (the sequence bucket; the extra rows empty) and the page table to
+    `max_model_len / page_size` columns (the kernels size their key splits from its width)."""
     if page_order not in ("random", "runs"):
         raise ValueError(f"make_batch: `page_order` must be 'random' or 'runs', got {page_order!r}")
-    s = len(q_lens)
+    real_seqs, real_tokens = len(q_lens), sum(q_lens)
+    s = max(real_seqs, num_seqs or 0)
     need = [-(-k // page_size) for k in kv_lens]
-    pages_per_seq = max(need)
+    pages_per_seq = max(max(need), -(-(max_model_len or 0) // page_size))
     num_pages = sum(need) + 1
     perm = np.random.default_rng(0).permutation(num_pages) if page_order == "random" else np.arange(num_pages)
     table = np.zeros((s, pages_per_seq), np.int32)
@@ -57,10 +63,17 @@ def make_batch(key, q_lens, kv_lens, *, page_size, dtype, hq=HQ, hkv=HKV, d=D, k
     k1, k2 = jax.random.split(key)
     cache = jax.random.normal(k1, reference.kv_cache_shape(num_pages, page_size, hkv, d), dtype)
     cache = cache.astype(kv_dtype or dtype)
-    q = jax.random.normal(k2, (sum(q_lens), hq, d), dtype)
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    return (q, cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(table), jnp.asarray(cu),
-            jnp.asarray([s], jnp.int32))
+    q = jax.random.normal(k2, (max(real_tokens, num_tokens or 0), hq, d), dtype)
+    cu = np.full(s + 1, real_tokens, np.int32)
+    cu[: real_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    lens = np.zeros(s, np.int32)
+    lens[:real_seqs] = kv_lens
+    return (q, cache, jnp.asarray(lens), jnp.asarray(table), jnp.asarray(cu), jnp.asarray([real_seqs], jnp.int32))
+
+
+def bucket(n, buckets):
+    """The smallest of `buckets` that holds n (None: no padding; n itself when none does)."""
+    return None if not buckets else min([b for b in buckets if b >= n] or [n])
 
 
 def workload(mode, batch, ctx):
@@ -320,6 +333,13 @@ def main(argv=None):
                    "'m:block_kv,stages,splits[,block_q[,wgs]]' (Mosaic tile), 'mt:block_kv,stages,splits[,block_q]' "
                    "(transposed Mosaic tile; block_q 1 for decode buckets' items), "
                    "'block_q,block_kv,splits,warps,stages' (Triton tile)")
+    p.add_argument("--token-buckets", type=positive_int, nargs="+", default=None,
+                   help="pad each shape's query rows to the smallest of these that holds them, as an engine's step "
+                        "(e.g. 8 64 256: batch 1 runs as 8 rows, 7 of them padding)")
+    p.add_argument("--seq-buckets", type=positive_int, nargs="+", default=None,
+                   help="pad the sequence rows likewise (the extra rows hold no tokens)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="page-table width in tokens, as the engine's (the table sizes key splits from it)")
     p.add_argument("--max-tokens", type=positive_int, default=65536, help="skip prefill shapes with more q tokens")
     p.add_argument("--max-kv-gb", type=positive_float, default=24.0, help="skip shapes whose cache is larger")
     p.add_argument("--calls", type=positive_int, default=10,
@@ -362,11 +382,14 @@ def main(argv=None):
                 if sum(q_lens) > a.max_tokens or kv_bytes / 1e9 > a.max_kv_gb:
                     continue
                 args = make_batch(jax.random.key(b * 7 + ctx), q_lens, kv_lens, page_size=a.page_size,
-                                  dtype=jnp.bfloat16, kv_dtype=kv_dtype, page_order=a.page_order)
+                                  dtype=jnp.bfloat16, kv_dtype=kv_dtype, page_order=a.page_order,
+                                  num_tokens=bucket(sum(q_lens), a.token_buckets),
+                                  num_seqs=bucket(len(q_lens), a.seq_buckets), max_model_len=a.max_model_len)
                 rests = rotated(args, kv_bytes)
                 bundled_us = None
-                # the bundled kernel on the same rotated caches, K/V split per copy (bf16 only)
-                if mode == "decode" and not a.no_bundled and kv_dtype == jnp.bfloat16:
+                # the bundled kernel on the same rotated caches, K/V split per copy (bf16, unpadded shapes only)
+                padded = a.token_buckets or a.seq_buckets or a.max_model_len
+                if mode == "decode" and not a.no_bundled and kv_dtype == jnp.bfloat16 and not padded:
                     fn, bargs = bundled_decode(args[0], args[1], args[2], args[3], a.page_size)
                     brests = [bundled_decode(args[0], r[0], args[2], args[3], a.page_size)[1][1:] for r in rests]
                     bundled_us = timed(fn, bargs, a.calls, rests=brests)

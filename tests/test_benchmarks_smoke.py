@@ -456,6 +456,34 @@ def test_kernels_make_batch_page_orders():
                            page_order="sorted")
 
 
+def test_kernels_batches_pad_like_an_engine_step_and_attend_the_same(tmp_path):
+    """--token-buckets / --seq-buckets / --max-model-len: q, the sequence rows and the page table grow as an
+    engine's bucket does (batch 1 as 8 token rows, 8 sequence rows, 1024 tokens of table), and the real rows'
+    attention is unchanged."""
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import kernels
+    import numpy as np
+
+    key, kw = kernels.jax.random.key(0), dict(page_size=16, dtype=kernels.jnp.float32, hq=4, hkv=2, d=16)
+    plain = kernels.make_batch(key, [1, 1], [40, 17], **kw)
+    padded = kernels.make_batch(key, [1, 1], [40, 17], num_tokens=8, num_seqs=8, max_model_len=1024, **kw)
+    q, _, lens, table, cu, num_seqs = padded
+    assert q.shape[0] == 8 and lens.shape == (8,) and table.shape == (8, 64) and cu.shape == (9,)
+    assert list(np.asarray(lens)) == [40, 17] + [0] * 6 and list(np.asarray(cu)) == [0, 1] + [2] * 7
+    assert int(num_seqs[0]) == 2
+    attend = kernels.reference.ragged_paged_attention
+    want = np.asarray(attend(*plain, sm_scale=0.25))
+    got = np.asarray(attend(q.at[:2].set(plain[0]), *padded[1:], sm_scale=0.25))
+    np.testing.assert_allclose(got[:2], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[2:], 0.0)  # padding rows
+    out = tmp_path / "k.json"
+    kernels.main(["--impl", "reference", "--mode", "decode", "--batch", "1", "--ctx", "64", "--calls", "2",
+                  "--token-buckets", "8", "64", "--seq-buckets", "8", "--max-model-len", "256", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["batch"], row["ctx"], row["config"], row["bundled_us"]) == (1, 64, "table", None)
+
+
 def test_sampler_filter_times_every_select_and_checks_them_against_the_radix_one(tmp_path):
     data = _run("sampler_filter", ["--batch-sizes", "3", "--vocab", "3000", "--calls", "2"], tmp_path)
     assert len(data["results"]) == 5 and all(row["same_as_radix"] for row in data["results"])
