@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from common import non_negative_int, positive_float, positive_int
 
+from jengine.buckets import seq_bucket
 from jengine.engine import LLMEngine
 from jengine.engine_config import EngineConfig
 from jengine.sampling_params import SamplingParams
@@ -30,18 +31,19 @@ def _median_ms(fn, n=20):
     return 1e3 * statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="jengine/llama-3.1-8b")
     parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--context", type=non_negative_int, default=256)
     parser.add_argument("--launch-variants", action="store_true",
                         help="also time back-to-back launches of parts of the step program")
-    parser.add_argument("--num-tokens", type=positive_int, default=64, help="token bucket T the steps are padded to")
+    parser.add_argument("--num-tokens", type=positive_int, default=64,
+                        help="token bucket T the steps are padded to (a server runs batch 1-8 in T=8)")
     parser.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9)
     parser.add_argument("--ablate", choices=("none", "attention", "write_kv", "both"), default="none",
                         help="replace the attention op and/or the RoPE + K/V write by no-ops, to price them")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.ablate != "none":
         from jengine.models import llama
 
@@ -53,11 +55,11 @@ def main() -> None:
             llama.rope_and_write_kv = lambda cache, qkv, cos, sin, slots, *, num_q_heads, kv_scales=None: (
                 split_heads(qkv, num_q_heads, cache.shape[1], cache.shape[4])[0], cache)
     seqs = tuple(sorted(set(args.batch_sizes)))
+    num_tokens = max(args.num_tokens, max(seqs))
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=1024, max_num_seqs=max(seqs),
-                                    max_num_batched_tokens=max(args.num_tokens, max(seqs)),
-                                    token_buckets=(max(args.num_tokens, max(seqs)),),
-                                    seq_buckets=seqs, gpu_memory_utilization=args.gpu_memory_utilization),
-                       progress=False)
+                                    max_num_batched_tokens=num_tokens, token_buckets=(num_tokens,),
+                                    gpu_memory_utilization=args.gpu_memory_utilization),
+                       progress=False)  # the engine's default sequence buckets, as a server's
     runner, cfg = engine.runner, engine.model_config
     family_forward = jax.jit(lambda p, c, mi: runner_forward(p, c, mi, cfg), donate_argnums=(1,))
     tails = ("argmax", "logprobs top-20", "process_logits", "categorical", "sample") if args.launch_variants else ()
@@ -68,8 +70,9 @@ def main() -> None:
         rng = np.random.default_rng(b)
         rows = [([int(rng.integers(1000))], args.context, list(range(1 + i * pages, 1 + (i + 1) * pages)), -1, None)
                 for i in range(b)]
-        sampling = build_sampling_tensors([(SamplingParams(temperature=0), [1], [])] * b, b, cfg.vocab_size)
-        inp = build_step_input(rows, max(args.num_tokens, max(seqs)), b, engine.config.pages_per_seq, 16, sampling)
+        num_seqs = seq_bucket(b, num_tokens, engine.config.seq_buckets)
+        sampling = build_sampling_tensors([(SamplingParams(temperature=0), [1], [])] * b, num_seqs, cfg.vocab_size)
+        inp = build_step_input(rows, num_tokens, num_seqs, engine.config.pages_per_seq, 16, sampling)
 
         def sync_step(inp=inp):
             jax.block_until_ready(runner.execute(inp))

@@ -484,6 +484,17 @@ def test_kernels_batches_pad_like_an_engine_step_and_attend_the_same(tmp_path):
     assert (row["batch"], row["ctx"], row["config"], row["bundled_us"]) == (1, 64, "table", None)
 
 
+def test_step_probe_runs_each_batch_in_the_engines_buckets(capsys):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import step_probe
+
+    step_probe.main(["--model", "jengine/tiny-llama", "--batch-sizes", "1", "2", "--num-tokens", "8", "--context",
+                     "16"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "sync step" in line]
+    assert len(lines) == 2 and "B=  1" in lines[0] and "B=  2" in lines[1]
+
+
 def test_sampler_filter_times_every_select_and_checks_them_against_the_radix_one(tmp_path):
     data = _run("sampler_filter", ["--batch-sizes", "3", "--vocab", "3000", "--calls", "2"], tmp_path)
     assert len(data["results"]) == 5 and all(row["same_as_radix"] for row in data["results"])
