@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from common import bench, net_us_per_call, positive_float, positive_int
 
+from jengine.buckets import normalize_buckets, pick_bucket
 from jengine.engine_config import KV_CACHE_DTYPES
 from jengine.kernels_pallas.ragged_paged_attention import gpu as gpu_kernel
 from jengine.kernels_pallas.ragged_paged_attention import (
@@ -72,8 +73,9 @@ def make_batch(key, q_lens, kv_lens, *, page_size, dtype, hq=HQ, hkv=HKV, d=D, k
 
 
 def bucket(n, buckets):
-    """The smallest of `buckets` that holds n (None: no padding; n itself when none does)."""
-    return None if not buckets else min([b for b in buckets if b >= n] or [n])
+    """The engine's bucket for n (`pick_bucket` over sorted buckets); None (no padding) without buckets or past
+    the largest."""
+    return pick_bucket(n, buckets) if buckets and n <= buckets[-1] else None
 
 
 def workload(mode, batch, ctx):
@@ -335,7 +337,7 @@ def main(argv=None):
                    "'block_q,block_kv,splits,warps,stages' (Triton tile)")
     p.add_argument("--token-buckets", type=positive_int, nargs="+", default=None,
                    help="pad each shape's query rows to the smallest of these that holds them, as an engine's step "
-                        "(e.g. 8 64 256: batch 1 runs as 8 rows, 7 of them padding)")
+                        "(e.g. 8 64 256: batch 1 runs as 8 rows, 7 of them padding; larger shapes stay unpadded)")
     p.add_argument("--seq-buckets", type=positive_int, nargs="+", default=None,
                    help="pad the sequence rows likewise (the extra rows hold no tokens)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
@@ -364,6 +366,7 @@ def main(argv=None):
         p.error("--timer cupti needs a GPU (CUPTI counts CUDA kernels)")
     if a.region_profile and not gpu_mosaic.on_hopper():
         p.error("--region-profile needs a Hopper GPU (the Mosaic GPU kernel's on-device profiler)")
+    token_buckets, seq_buckets = (normalize_buckets(b) if b else None for b in (a.token_buckets, a.seq_buckets))
     timed = bench if a.timer == "program" else cupti_us
     print(f"devices: {jax.devices()}", flush=True)
     if a.check:
@@ -383,8 +386,8 @@ def main(argv=None):
                     continue
                 args = make_batch(jax.random.key(b * 7 + ctx), q_lens, kv_lens, page_size=a.page_size,
                                   dtype=jnp.bfloat16, kv_dtype=kv_dtype, page_order=a.page_order,
-                                  num_tokens=bucket(sum(q_lens), a.token_buckets),
-                                  num_seqs=bucket(len(q_lens), a.seq_buckets), max_model_len=a.max_model_len)
+                                  num_tokens=bucket(sum(q_lens), token_buckets),
+                                  num_seqs=bucket(len(q_lens), seq_buckets), max_model_len=a.max_model_len)
                 rests = rotated(args, kv_bytes)
                 bundled_us = None
                 # the bundled kernel on the same rotated caches, K/V split per copy (bf16, unpadded shapes only)

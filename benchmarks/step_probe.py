@@ -66,13 +66,14 @@ def main(argv: list[str] | None = None) -> None:
     fwd_tails = {name: jax.jit(functools.partial(forward_sample, cfg=cfg, tail=name), donate_argnums=(1,))
                  for name in tails}
     for b in args.batch_sizes:
-        pages = args.context // 16 + 1
+        block_size = engine.config.block_size
+        pages = args.context // block_size + 1
         rng = np.random.default_rng(b)
         rows = [([int(rng.integers(1000))], args.context, list(range(1 + i * pages, 1 + (i + 1) * pages)), -1, None)
                 for i in range(b)]
         num_seqs = seq_bucket(b, num_tokens, engine.config.seq_buckets)
         sampling = build_sampling_tensors([(SamplingParams(temperature=0), [1], [])] * b, num_seqs, cfg.vocab_size)
-        inp = build_step_input(rows, num_tokens, num_seqs, engine.config.pages_per_seq, 16, sampling)
+        inp = build_step_input(rows, num_tokens, num_seqs, engine.config.pages_per_seq, block_size, sampling)
 
         def sync_step(inp=inp):
             jax.block_until_ready(runner.execute(inp))
