@@ -86,13 +86,15 @@ def _mosaic(q, kv_cache, config, interpret) -> bool:
 
 def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array,
                       *, num_q_heads: int, kv_scales: jax.Array | None = None, impl: str | None = None,
-                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                      interpret: bool = False, config=None) -> tuple[jax.Array, jax.Array]:
     """A step's fused projections `qkv` `[T, (Hq + 2 Hkv) D]` (Q, K, V columns) split into heads, Q and K
     rotated by the RoPE tables `cos`/`sin` `[T, D/2]`, K and V written into their cache slots `[T]` (slot -1:
     padding, nothing written). Returns (q `[T, Hq, D]`, the cache). Contract: `reference.rope_and_write_kv`.
 
-    impl None: the Pallas kernel in `gpu_rope_write_kv.py` on GPUs, XLA's ops (the reference) on TPUs and the CPU;
-    impl="gpu" asks for the kernel (where it supports the head size)."""
+    impl None: a Pallas kernel on GPUs (on Hopper the Mosaic GPU kernel in `gpu_rope_write_kv_mosaic.py` where it
+    supports the shapes, else the Triton kernel in `gpu_rope_write_kv.py` where that supports the head size), XLA's
+    ops (the reference) on TPUs and the CPU. config: a `gpu_rope_write_kv_mosaic.RopeConfig` asks for the Mosaic GPU
+    kernel with that block shape (with `interpret`, in Mosaic GPU's interpreter: CPU tests)."""
     op = "rope_and_write_kv"
     _check(kv_cache.ndim == 5 and kv_cache.shape[0] == 2, "kv_cache",
            f"must be [2, Hkv, num_pages, page_size, D], got shape {kv_cache.shape}", op)
@@ -116,8 +118,11 @@ def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: 
         raise ValueError(f"{op}: `impl` must be one of {IMPLS} or None, got {impl!r}")
     args = (kv_cache, qkv, cos, sin, slot_mapping, num_q_heads, kv_scales)
     if impl == "gpu":
-        from . import gpu_rope_write_kv
+        from . import gpu_mosaic, gpu_rope_write_kv, gpu_rope_write_kv_mosaic
 
+        if config is not None or (not interpret and gpu_mosaic.on_hopper() and gpu_rope_write_kv_mosaic.supports(
+                num_tokens, num_kv_heads, head_dim, qkv.dtype, kv_cache.dtype)):
+            return gpu_rope_write_kv_mosaic.rope_and_write_kv_mosaic(*args, config=config, interpret=interpret)
         if gpu_rope_write_kv.supports(head_dim):
             return gpu_rope_write_kv.rope_and_write_kv_gpu(*args, interpret=interpret)
     return reference.rope_and_write_kv(*args)
