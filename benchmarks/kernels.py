@@ -31,8 +31,6 @@ from jengine.engine_config import KV_CACHE_DTYPES
 from jengine.kernels_pallas.ragged_paged_attention import gpu as gpu_kernel
 from jengine.kernels_pallas.ragged_paged_attention import (
     gpu_mosaic,
-    gpu_rope_write_kv,
-    gpu_rope_write_kv_mosaic,
     ragged_paged_attention,
     reference,
     rope_and_write_kv,
@@ -121,22 +119,10 @@ def bundled_decode(q, cache, kv_lens, table, page_size):
     return fn, (q, cache[0], cache[1], kv_lens, table)  # K/V split once, outside the timed program
 
 
-def write_kv_ops():
-    """(label, op) of each `rope_and_write_kv` implementation this device runs: XLA's ops everywhere; on a GPU
-    the Pallas Triton kernel, and on Hopper the Mosaic GPU kernel (the op's choice there)."""
-    ops = [("rope+write XLA", functools.partial(rope_and_write_kv, impl="reference"))]
-    if jax.default_backend() == "gpu":
-        ops.insert(0, ("rope+write Triton", gpu_rope_write_kv.rope_and_write_kv_gpu))
-        if gpu_mosaic.on_hopper():
-            ops.insert(0, ("rope+write Mosaic", gpu_rope_write_kv_mosaic.rope_and_write_kv_mosaic))
-    return ops
-
-
-def bench_write_kv(cache, num_tokens, calls, reps=5, op=rope_and_write_kv):
+def bench_write_kv(cache, num_tokens, calls, reps=5, impl=None):
     """Median µs of one `rope_and_write_kv` of `num_tokens` new tokens (Q/K/V split, RoPE, K/V into the cache;
-    `op`: the op, or a partial of it or of one implementation with its signature), inside a jitted program
-    with the cache donated as in the model's step: programs of `calls` and `2 * calls` chained calls, the
-    difference per extra call."""
+    `impl` None: the op's choice, "reference": XLA's ops), inside a jitted program with the cache donated as in
+    the model's step: programs of `calls` and `2 * calls` chained calls, the difference per extra call."""
     hkv, num_pages, page_size, d = cache.shape[1:]
     k1, k2 = jax.random.split(jax.random.key(9))
     qkvs = jax.random.normal(k1, (2 * calls, num_tokens, (HQ + 2 * hkv) * d), jnp.bfloat16)  # the QKV GEMM's outputs
@@ -151,7 +137,7 @@ def bench_write_kv(cache, num_tokens, calls, reps=5, op=rope_and_write_kv):
         def many(cache, qkvs, slots):
             qsum = jnp.zeros((), jnp.float32)
             for i in range(n):
-                q, cache = op(cache, qkvs[i], cos, sin, slots, num_q_heads=HQ)
+                q, cache = rope_and_write_kv(cache, qkvs[i], cos, sin, slots, num_q_heads=HQ, impl=impl)
                 qsum += q[0, 0, 0].astype(jnp.float32)  # keeps each call's Q alive
             return cache, qsum
 
@@ -438,8 +424,11 @@ def main(argv=None):
                     n_new = sum(q_lens)
                     rests = None  # the copies' memory goes back before the cache is written
                     written = n_new * HKV * D * 2 * kv_dtype.itemsize
-                    for label, op in write_kv_ops():
-                        us, cache = bench_write_kv(args[1], n_new, a.calls, op=op)
+                    impls = [("reference", "rope+write XLA")]
+                    if jax.default_backend() == "gpu":
+                        impls.insert(0, ("gpu", "rope+write Pallas"))
+                    for impl, label in impls:
+                        us, cache = bench_write_kv(args[1], n_new, a.calls, impl=impl)
                         args = (args[0], cache, *args[2:])
                         rows.append(dict(mode=mode, batch=b, ctx=ctx, config=label, us=us,
                                          write_gb_s=written / us / 1e3))

@@ -175,6 +175,19 @@ def test_default_impl_on_cpu_is_the_reference():
     np.testing.assert_array_equal(out, reference.ragged_paged_attention(*args, sm_scale=0.125))
 
 
+@pytest.mark.parametrize("impl", ["reference", "gpu"])
+def test_result_comes_in_out_dtype(impl):
+    """`out_dtype`: the result in that dtype, the same values as q's dtype's result converted."""
+    args = make_case(6, [1, 4], [9, 4], group=2, head_dim=64, page_size=16, dtype=jnp.float32)
+    kw = dict(sm_scale=0.125, impl=impl, interpret=impl == "gpu")
+    out = rpa.ragged_paged_attention(*args, **kw)
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        got = rpa.ragged_paged_attention(*args, **kw, out_dtype=dtype)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got[:5].astype(jnp.float32)),
+                                      np.asarray(out[:5].astype(dtype).astype(jnp.float32)))
+
+
 def _bad(**change):
     args = dict(zip(["q", "kv_cache", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"],
                     make_case(0, [1], [3], group=2, head_dim=64, page_size=16, dtype=jnp.float32)))
@@ -209,6 +222,7 @@ def test_numpy_scalars_are_accepted_as_static_options():
     ("sliding_window", dict(sliding_window=0)),
     ("soft_cap", dict(soft_cap=-1.0)),
     ("impl", dict(impl="cuda")),
+    ("out_dtype", dict(out_dtype="int32")),
 ])
 def test_invalid_inputs_raise_value_error_naming_the_argument(arg, change):
     args, kw = _bad(**change)

@@ -14,7 +14,7 @@ import pytest
 from test_attention_kernels import CONFIGS, assert_matches_reference, make_case
 
 from jengine.kernels_pallas import ragged_paged_attention as rpa
-from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic
+from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic, reference
 
 # The Mosaic GPU kernel uses wgmma, which GPU interpret mode does not simulate: on CPU it is lowered
 # for CUDA (every layout and shape check of the Mosaic GPU lowering runs); on a Hopper GPU it is held to
@@ -87,6 +87,45 @@ def test_mosaic_kernel_with_an_8bit_cache(name, q_lens, kv_lens, options, config
     if config is None:
         assert "mosaic_gpu" in fn.trace(*args).lower().as_text()
     assert_matches_reference(fn(*args), args, sum(q_lens), **kw)
+
+
+@pytest.mark.parametrize("config", [None, gpu_mosaic.MosaicConfig(64, 2, 1, transposed=True),
+                                    gpu_mosaic.MosaicConfig(128, 2, 3, block_q=1, transposed=True)],
+                         ids=["table", "transposed", "transposed_128x2_split3"])
+@pytest.mark.parametrize("name,q_lens,kv_lens,options", MOSAIC_CASES, ids=[c[0] for c in MOSAIC_CASES])
+def test_mosaic_kernel_takes_f16_queries_for_an_8bit_cache(name, q_lens, kv_lens, options, config):
+    """Q in float16 (what `attention_q_dtype` asks the RoPE kernel for) and a bf16 result (`out_dtype`): the launch
+    takes that Q as it is and writes bf16, with the same bits as from bf16 Q, which it converts itself."""
+    import jax
+
+    args = make_case(zlib.crc32(name.encode()), q_lens, kv_lens, group=4, head_dim=128, page_size=16,
+                     dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn)
+    q16 = reference.saturate(args[0], jnp.float16)
+    kw = dict(sm_scale=128**-0.5, **options)
+    if not _on_hopper():
+        if not name.startswith("decode"):
+            return
+        kernel = jax.jit(lambda *a: gpu_mosaic.ragged_attention_mosaic(*a, config=config, out_dtype=jnp.bfloat16,
+                                                                       **kw))
+        text = kernel.trace(q16, *args[1:]).lower(lowering_platforms=("cuda",)).as_text()
+        assert "convert" not in text.split("custom_call @mosaic_gpu")[0]  # Q goes in as it is
+        return
+    fn = jax.jit(lambda *a, **k: rpa.ragged_paged_attention(*a, impl="gpu", config=config, **kw, **k))
+    out16, out = fn(q16, *args[1:], out_dtype=jnp.bfloat16), fn(*args)
+    assert out16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out16.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+
+
+def test_attention_q_dtype_is_float16_where_the_hopper_kernel_multiplies_an_8bit_cache_in_f16(monkeypatch):
+    fp8 = jnp.zeros(rpa.kv_cache_shape(4, 16, 2, 128), jnp.float8_e4m3fn)
+    assert rpa.attention_q_dtype(jnp.bfloat16, fp8, 8, impl="reference") == jnp.bfloat16
+    monkeypatch.setattr(gpu_mosaic, "on_hopper", lambda: True)
+    assert rpa.attention_q_dtype(jnp.bfloat16, fp8, 8, impl="gpu") == jnp.float16
+    assert rpa.attention_q_dtype(jnp.bfloat16, fp8.astype(jnp.bfloat16), 8, impl="gpu") == jnp.bfloat16
+    assert rpa.attention_q_dtype(jnp.bfloat16, fp8, 4, impl="gpu") == jnp.bfloat16  # group 2: the Triton kernel
+    assert rpa.attention_q_dtype(jnp.float32, fp8, 8, impl="gpu") == jnp.float32
+    monkeypatch.setattr(gpu_mosaic, "on_hopper", lambda: False)
+    assert rpa.attention_q_dtype(jnp.bfloat16, fp8, 8, impl="gpu") == jnp.bfloat16
 
 
 def test_mosaic_kernel_with_an_8bit_cache_keeps_one_compute_warpgroup():

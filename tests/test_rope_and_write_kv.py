@@ -42,10 +42,10 @@ def _numpy_model(cache, qkv, cos, sin, slots, scales=None):
     return q, want
 
 
-def _run(impl, cache, qkv, cos, sin, slots, scales=None):
+def _run(impl, cache, qkv, cos, sin, slots, scales=None, q_dtype=None):
     interpret = impl == "gpu" and jax.default_backend() != "gpu"
     fn = jax.jit(lambda c, x, co, si, sl, sc: rpa.rope_and_write_kv(c, x, co, si, sl, num_q_heads=HQ, kv_scales=sc,
-                                                                    impl=impl, interpret=interpret),
+                                                                    q_dtype=q_dtype, impl=impl, interpret=interpret),
                  donate_argnums=0)
     return fn(cache, qkv, jnp.asarray(cos), jnp.asarray(sin), jnp.asarray(slots),
               None if scales is None else jnp.asarray(scales, jnp.float32))
@@ -99,6 +99,26 @@ def test_kernel_matches_the_reference_bit_for_bit_into_an_8bit_cache(kv_dtype, s
     np.testing.assert_allclose(got_row, want[:, :, real // PAGE_SIZE, real % PAGE_SIZE], rtol=0.13, atol=0.02)
 
 
+@pytest.mark.parametrize("impl", ["gpu", "reference"])
+@pytest.mark.parametrize("scales", [None, (0.5, 2.0)], ids=["no-scales", "scales"])
+def test_q_in_float16_is_the_bf16_q_saturated(impl, scales):
+    """`q_dtype=float16` (the Hopper attention's queries for an 8-bit cache): the same bits as rounding Q to bf16
+    and converting that to f16, values past f16's range saturated; the cache is untouched by the choice."""
+    qkv, cos, sin, slots = _case(9, scale=3.0)
+    qkv[0, :2] = [1e6, -1e6]  # Q past f16's range (bf16 holds it)
+    cos[0], sin[0] = 1.0, 0.0  # so the rotation keeps it there
+    x = jnp.asarray(qkv, jnp.bfloat16)
+    cache = np.random.default_rng(3).standard_normal(reference.kv_cache_shape(NUM_PAGES, PAGE_SIZE, HKV, D))
+    q16, got16 = _run(impl, jnp.asarray(cache, FP8[0]), x, cos, sin, slots, scales, q_dtype=jnp.float16)
+    q, got = _run(impl, jnp.asarray(cache, FP8[0]), x, cos, sin, slots, scales)
+    assert q16.dtype == jnp.float16 and q.dtype == jnp.bfloat16
+    top = float(jnp.finfo(jnp.float16).max)
+    want = np.clip(np.asarray(q.astype(jnp.float32)), -top, top).astype(np.float16)
+    np.testing.assert_array_equal(np.asarray(q16), want)
+    assert np.asarray(q16)[0, 0, 0] == top and np.asarray(q16)[0, 0, 1] == -top
+    np.testing.assert_array_equal(np.asarray(got16.astype(jnp.float32)), np.asarray(got.astype(jnp.float32)))
+
+
 def test_names_bad_arguments():
     qkv, cos, sin, slots = (jnp.asarray(a) for a in _case(3))
     cache = jnp.zeros(reference.kv_cache_shape(NUM_PAGES, PAGE_SIZE, HKV, D))
@@ -108,7 +128,7 @@ def test_names_bad_arguments():
                       (dict(kv_cache=cache[0]), "kv_cache"), (dict(qkv=qkv[:, :-D]), "qkv"),
                       (dict(num_q_heads=3), "num_q_heads"), (dict(cos=cos.astype(jnp.bfloat16)), "cos"),
                       (dict(sin=sin[:, :-1]), "sin"), (dict(kv_scales=jnp.ones(3)), "kv_scales"),
-                      (dict(impl="cuda"), "impl")):
+                      (dict(impl="cuda"), "impl"), (dict(q_dtype=jnp.int8), "q_dtype")):
         with pytest.raises(ValueError, match=f"rope_and_write_kv: `{name}`"):
             call(**bad)
 

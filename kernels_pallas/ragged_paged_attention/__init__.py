@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from . import reference
 from .reference import FP8_DTYPES, is_fp8, kv_cache_shape
 
-__all__ = ["FP8_DTYPES", "is_fp8", "kv_cache_shape", "ragged_paged_attention", "rope_and_write_kv", "IMPLS"]
+__all__ = ["FP8_DTYPES", "is_fp8", "kv_cache_shape", "ragged_paged_attention", "rope_and_write_kv", "attention_q_dtype",
+           "IMPLS"]
 
 IMPLS = ("gpu", "tpu", "reference")
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -84,17 +85,32 @@ def _mosaic(q, kv_cache, config, interpret) -> bool:
                                     kv_dtype=kv_cache.dtype))
 
 
+def attention_q_dtype(dtype, kv_cache: jax.Array, num_q_heads: int, impl: str | None = None):
+    """The dtype in which `ragged_paged_attention` reads queries of `dtype` as they are: float16 where the Hopper
+    kernel multiplies an 8-bit cache's blocks in f16 (bf16 queries would take a conversion pass of their own), else
+    `dtype`. `rope_and_write_kv(q_dtype=...)` writes Q in it."""
+    _, num_kv_heads, _, page_size, head_dim = kv_cache.shape
+    if ((_default_impl() if impl is None else impl) != "gpu" or not is_fp8(kv_cache.dtype)
+            or jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16) or num_q_heads % num_kv_heads):
+        return dtype
+    from . import gpu_mosaic
+
+    if gpu_mosaic.on_hopper() and gpu_mosaic.supports(dtype, head_dim, num_q_heads // num_kv_heads, page_size,
+                                                      kv_dtype=kv_cache.dtype):
+        return jnp.float16
+    return dtype
+
+
 def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array,
-                      *, num_q_heads: int, kv_scales: jax.Array | None = None, impl: str | None = None,
-                      interpret: bool = False, config=None) -> tuple[jax.Array, jax.Array]:
+                      *, num_q_heads: int, kv_scales: jax.Array | None = None, q_dtype=None, impl: str | None = None,
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """A step's fused projections `qkv` `[T, (Hq + 2 Hkv) D]` (Q, K, V columns) split into heads, Q and K
     rotated by the RoPE tables `cos`/`sin` `[T, D/2]`, K and V written into their cache slots `[T]` (slot -1:
-    padding, nothing written). Returns (q `[T, Hq, D]`, the cache). Contract: `reference.rope_and_write_kv`.
+    padding, nothing written). Returns (q `[T, Hq, D]`, in `q_dtype` (saturated) if given, else qkv's; the cache).
+    Contract: `reference.rope_and_write_kv`.
 
-    impl None: a Pallas kernel on GPUs (on Hopper the Mosaic GPU kernel in `gpu_rope_write_kv_mosaic.py` where it
-    supports the shapes, else the Triton kernel in `gpu_rope_write_kv.py` where that supports the head size), XLA's
-    ops (the reference) on TPUs and the CPU. config: a `gpu_rope_write_kv_mosaic.RopeConfig` asks for the Mosaic GPU
-    kernel with that block shape (with `interpret`, in Mosaic GPU's interpreter: CPU tests)."""
+    impl None: the Pallas kernel in `gpu_rope_write_kv.py` on GPUs, XLA's ops (the reference) on TPUs and the CPU;
+    impl="gpu" asks for the kernel (where it supports the head size)."""
     op = "rope_and_write_kv"
     _check(kv_cache.ndim == 5 and kv_cache.shape[0] == 2, "kv_cache",
            f"must be [2, Hkv, num_pages, page_size, D], got shape {kv_cache.shape}", op)
@@ -113,16 +129,15 @@ def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: 
     _check(kv_scales is None or (kv_scales.shape == (2,) and kv_scales.dtype == jnp.float32), "kv_scales",
            f"must be None or float32 [2], got {getattr(kv_scales, 'dtype', None)} {getattr(kv_scales, 'shape', None)}",
            op)
+    _check(q_dtype is None or any(jnp.dtype(q_dtype) == d for d in _FLOAT_DTYPES), "q_dtype",
+           f"must be None or float32/bfloat16/float16, got {q_dtype!r}", op)
     impl = _default_impl() if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"{op}: `impl` must be one of {IMPLS} or None, got {impl!r}")
-    args = (kv_cache, qkv, cos, sin, slot_mapping, num_q_heads, kv_scales)
+    args = (kv_cache, qkv, cos, sin, slot_mapping, num_q_heads, kv_scales, q_dtype)
     if impl == "gpu":
-        from . import gpu_mosaic, gpu_rope_write_kv, gpu_rope_write_kv_mosaic
+        from . import gpu_rope_write_kv
 
-        if config is not None or (not interpret and gpu_mosaic.on_hopper() and gpu_rope_write_kv_mosaic.supports(
-                num_tokens, num_kv_heads, head_dim, qkv.dtype, kv_cache.dtype)):
-            return gpu_rope_write_kv_mosaic.rope_and_write_kv_mosaic(*args, config=config, interpret=interpret)
         if gpu_rope_write_kv.supports(head_dim):
             return gpu_rope_write_kv.rope_and_write_kv_gpu(*args, interpret=interpret)
     return reference.rope_and_write_kv(*args)
@@ -142,8 +157,10 @@ def ragged_paged_attention(
     impl: str | None = None,
     interpret: bool = False,
     config=None,
+    out_dtype=None,
 ) -> jax.Array:
-    """Causal ragged paged attention (contract: `reference.ragged_paged_attention`). Returns `[T, Hq, D]`.
+    """Causal ragged paged attention (contract: `reference.ragged_paged_attention`). Returns `[T, Hq, D]` in
+    `out_dtype` (default q's).
 
     impl: "gpu", "tpu" or "reference"; None picks by `jax.default_backend()`.
     interpret: run the chosen Pallas kernel in interpret mode (CPU tests).
@@ -152,19 +169,24 @@ def ragged_paged_attention(
     """
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap)
+    _check(out_dtype is None or any(jnp.dtype(out_dtype) == d for d in _FLOAT_DTYPES), "out_dtype",
+           f"must be None or float32/bfloat16/float16, got {out_dtype!r}")
+    out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
     impl = _default_impl() if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"ragged_paged_attention: `impl` must be one of {IMPLS} or None, got {impl!r}")
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     if impl == "reference":
-        return reference.ragged_paged_attention(*args, **kw)
-    if impl == "gpu":
+        out = reference.ragged_paged_attention(*args, **kw)
+    elif impl == "gpu":
         from . import gpu, gpu_mosaic
 
         if _mosaic(q, kv_cache, config, interpret):
-            return gpu_mosaic.ragged_attention_mosaic(*args, **kw, config=config)
-        return gpu.ragged_paged_attention_gpu(*args, **kw, config=config, interpret=interpret)
-    from .tpu import ragged_paged_attention_tpu
+            return gpu_mosaic.ragged_attention_mosaic(*args, **kw, config=config, out_dtype=out_dtype)
+        out = gpu.ragged_paged_attention_gpu(*args, **kw, config=config, interpret=interpret)
+    else:
+        from .tpu import ragged_paged_attention_tpu
 
-    return ragged_paged_attention_tpu(*args, **kw, config=config, interpret=interpret)
+        out = ragged_paged_attention_tpu(*args, **kw, config=config, interpret=interpret)
+    return out.astype(out_dtype)

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .gpu import LOG2E, M_INIT, NUM_SMS, _merge_splits, is_decode_bucket, key_blocks, work_items
-from .reference import is_fp8
+from .reference import is_fp8, saturate
 
 ROWS = 64  # wgmma tile height
 PROMPT_TOKENS_PER_SEQ = 32  # buckets with at least this many tokens per sequence slot: two compute warpgroups
@@ -616,8 +616,10 @@ def _tiled(shape, dt):
 
 
 def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                            sliding_window=None, soft_cap=None, config: MosaicConfig | None = None):
-    """Same contract as `reference.ragged_paged_attention`; one program per (query block, kv head, split)."""
+                            sliding_window=None, soft_cap=None, config: MosaicConfig | None = None, out_dtype=None):
+    """Same contract as `reference.ragged_paged_attention`; one program per (query block, kv head, split). The
+    result is in `out_dtype` (default q's): the transposed launches write it so (an 8-bit cache's f16 queries give
+    a bf16 result without a pass of their own), the others convert it after."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, num_pages, page_size, _ = kv_cache.shape
     num_seqs_max, pages_per_seq = page_indices.shape
@@ -640,6 +642,8 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         raise ValueError(f"ragged_paged_attention: `config` {config} splits keys, which the transposed kernel "
                          f"does only with one-token blocks (block_q 1)")
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    result = jax.ShapeDtypeStruct(qg.shape, out_dtype)  # what the transposed launches' results are typed from
     if config.transposed and block_q > 1:
         items, num_long = mixed_items(cu_q_lens, num_seqs, num_tokens, block_q)
     else:
@@ -661,11 +665,11 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
             grid=(num_kv_heads, num_items), grid_names=("head", "item"), num_threads=3, thread_name="wg",
             compiler_params=params,
         )(meta, qg, kv_cache)
-        return out.reshape(num_tokens, num_q_heads, head_dim)
+        return out.astype(out_dtype).reshape(num_tokens, num_q_heads, head_dim)
 
     if config.transposed and block_q == 1:  # every item one token (decode buckets)
         qs, per_slab = _transposed_q(q, num_kv_heads, kv_cache.dtype)
-        out_type, scratch = _transposed_scratch(qs, qg, kv_cache.dtype, splits, block_kv, stages, page_size)
+        out_type, scratch = _transposed_scratch(qs, result, kv_cache.dtype, splits, block_kv, stages, page_size)
         res = plgpu.kernel(
             functools.partial(_kernel_t, splits=splits, group=group, per_slab=per_slab, **static_t),
             out_type=out_type, scratch_types=scratch, grid=(num_items, num_kv_heads, splits),
@@ -673,11 +677,11 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
         )(meta, qs, kv_cache)
     elif config.transposed:  # prompt blocks, then the decode tokens' items transposed, in one launch
         qs, per_slab = _transposed_q(q, num_kv_heads, kv_cache.dtype)
-        _, scratch_t = _transposed_scratch(qs, qg, kv_cache.dtype, 1, block_kv, stages, page_size)
+        _, scratch_t = _transposed_scratch(qs, result, kv_cache.dtype, 1, block_kv, stages, page_size)
         # The blocks read the items' Q where its slabs are whole groups (no padding): Q is then converted
         # once, and XLA fuses that into the RoPE that makes Q (one pass over Q, not two).
         q_blocks = qs.reshape(qg.shape) if qs.size == qg.size else qg
-        out_type, scratch_1 = _block_scratch(qg, kv_cache.dtype, 1, block_q, block_kv, stages, page_size,
+        out_type, scratch_1 = _block_scratch(result, kv_cache.dtype, 1, block_q, block_kv, stages, page_size,
                                              q_dtype=q_blocks.dtype)
         res = plgpu.kernel(
             functools.partial(_kernel_mixed, num_long=num_long, scratch_1=scratch_1, scratch_t=scratch_t,
@@ -692,8 +696,8 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
             functools.partial(_kernel, splits=splits, **static), out_type=out_type, scratch_types=scratch,
             grid=(num_items, num_kv_heads, splits), grid_names=("item", "head", "split"), compiler_params=params,
         )(meta, qg, kv_cache)
-    out = res if splits == 1 else _merge_splits(*res).astype(q.dtype)
-    return out.reshape(num_tokens, num_q_heads, head_dim)
+    out = res if splits == 1 else _merge_splits(*res)
+    return out.astype(out_dtype).reshape(num_tokens, num_q_heads, head_dim)
 
 
 PROFILED_REGIONS_PER_BLOCK = 8  # named regions per key block in `_kernel_t` (wait ... refill)
@@ -765,7 +769,7 @@ def _transposed_q(q, num_kv_heads, kv_dtype):
     group = num_q_heads // num_kv_heads
     cols = -(-group // 8) * 8
     if is_fp8(kv_dtype):
-        q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
+        q = saturate(q, jnp.float16)  # nothing to do where Q comes in f16 (`attention_q_dtype`)
     if cols % group == 0 and num_q_heads % cols == 0:
         return q.reshape(num_tokens, num_q_heads // cols, cols, head_dim), cols // group
     q = q.reshape(num_tokens, num_kv_heads, group, head_dim)

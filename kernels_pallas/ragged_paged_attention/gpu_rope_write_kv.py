@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .reference import to_cache_dtype
+from .reference import saturate, to_cache_dtype
 
 
 def supports(head_dim: int) -> bool:
@@ -53,7 +53,7 @@ def _kernel(slots_ref, qkv_ref, cos_ref, sin_ref, *refs, group, num_q_heads, pag
         for i, part in enumerate(parts):
             if scaled:
                 part = (part.astype(jnp.float32) * k_scale).astype(dtype)
-            q_ref[t, head, pl.ds(i * half, half)] = part
+            q_ref[t, head, pl.ds(i * half, half)] = saturate(part, q_ref.dtype)
 
     @pl.when(slot >= 0)
     def _():
@@ -67,8 +67,8 @@ def _kernel(slots_ref, qkv_ref, cos_ref, sin_ref, *refs, group, num_q_heads, pag
 
 
 def rope_and_write_kv_gpu(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: jax.Array,
-                          slot_mapping: jax.Array, num_q_heads: int, kv_scales: jax.Array | None = None, *,
-                          interpret: bool = False):
+                          slot_mapping: jax.Array, num_q_heads: int, kv_scales: jax.Array | None = None,
+                          q_dtype=None, *, interpret: bool = False):
     """Same contract as `reference.rope_and_write_kv`: returns (q `[T, Hq, D]`, the cache)."""
     num_tokens = qkv.shape[0]
     _, num_kv_heads, _, page_size, head_dim = kv_cache.shape
@@ -78,7 +78,7 @@ def rope_and_write_kv_gpu(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, s
         functools.partial(_kernel, group=num_q_heads // num_kv_heads, num_q_heads=num_q_heads,
                           page_size=page_size, scaled=scaled),
         grid=(num_tokens, num_kv_heads),
-        out_shape=(jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), qkv.dtype),
+        out_shape=(jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), q_dtype or qkv.dtype),
                    jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
         input_output_aliases={len(inputs) - 1: 1},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),

@@ -37,6 +37,15 @@ def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
     return x.astype(dtype)
 
 
+def saturate(x: jax.Array, dtype) -> jax.Array:
+    """x in `dtype`, clipped first to that type's finite range where it is narrower than x's (bf16 into float16:
+    the Hopper kernel's f16 queries for 8-bit caches; a plain cast would turn values past it into infinities)."""
+    top = float(jnp.finfo(dtype).max)
+    if top < float(jnp.finfo(x.dtype).max):
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
+    return x.astype(dtype)
+
+
 def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """Shape of one layer's KV cache array."""
     return (2, num_kv_heads, num_pages, page_size, head_dim)
@@ -72,17 +81,20 @@ def split_heads(qkv: jax.Array, num_q_heads: int, num_kv_heads: int, head_dim: i
 
 
 def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: jax.Array,
-                      slot_mapping: jax.Array, num_q_heads: int, kv_scales: jax.Array | None = None):
+                      slot_mapping: jax.Array, num_q_heads: int, kv_scales: jax.Array | None = None, q_dtype=None):
     """Split `qkv` into heads, rotate Q and K (RoPE), write K and V into their slots; returns (q, cache).
 
     With `kv_scales` (f32 `[2]`, K's and V's, for an 8-bit cache) the cache gets k / k_scale and
     v / v_scale and q comes back multiplied by k_scale, each rounded to qkv's dtype first (the order
-    every implementation follows, so that they agree bit for bit)."""
+    every implementation follows, so that they agree bit for bit). `q_dtype`: q is returned in it (after
+    that rounding, `saturate`d), else in qkv's dtype."""
     q, k, v = split_heads(qkv, num_q_heads, kv_cache.shape[1], kv_cache.shape[4])
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kv_scales is not None:
         q = (q * kv_scales[0]).astype(qkv.dtype)
         k, v = (k / kv_scales[0]).astype(qkv.dtype), (v / kv_scales[1]).astype(qkv.dtype)
+    if q_dtype is not None:
+        q = saturate(q.astype(qkv.dtype), q_dtype)
     return q, write_kv(kv_cache, k, v, slot_mapping)
 
 
