@@ -2,12 +2,15 @@
 K and V written into the paged cache.
 
 One program per (token, kv head) reads that head's columns of the fused QKV projection, rotates its
-`group` query heads and its key head, writes the rotated queries to the output and the key and value rows
-to the token's cache slot, in place (the cache is aliased to the output); padding tokens (slot -1) write
-no K/V. On an H200 (8B shape, benchmarks/RESULTS.md session 42) it takes 1.4 µs a layer at batch 1 and 1.8 µs
-at 64 tokens, where XLA's Q-RoPE fusion plus its K-RoPE + scatter fusion took 4.3 and 4.8 µs (at batch 1 XLA had
-folded the QKV GEMM's split-K reduction into those two; it is now a 1.4 µs kernel of its own). At 2048 tokens it
-takes 21.4 µs against 17.0 for the RoPE fusions plus the write-only kernel it replaced.
+`group` query heads and its key head, writes the rotated queries to the output (in `q_dtype` if asked: float16
+for the Hopper attention over an 8-bit cache) and the key and value rows to the token's cache slot, in place
+(the cache is aliased to the output); padding tokens (slot -1) write no K/V. On an H200 (8B shape,
+benchmarks/RESULTS.md sessions 42 and 44) it takes 1.4 µs a layer at batch 1 and 1.8 µs at 64 tokens, where XLA's
+Q-RoPE fusion plus its K-RoPE + scatter fusion took 4.3 and 4.8 µs (at batch 1 XLA had folded the QKV GEMM's
+split-K reduction into those two; it is now a 1.4 µs kernel of its own). In the throughput run's 2048-token mixed
+step (8-bit cache) it takes 11.8 µs a layer, where XLA's ops took 22.0 + 8.9 µs. Timed alone, XLA's ops look faster
+than this kernel at every size (1.1-7.0 µs against 1.5-14.0): don't choose between them that way. JAX has deprecated
+the Triton lowering; a Mosaic GPU port (commit c33d26e, not kept) was correct but about 2x slower alone.
 """
 
 from __future__ import annotations
