@@ -81,3 +81,36 @@ def test_kv_cache_dtype_is_validated_and_sized():
 
     model_cfg = load_model(FIXTURE, dtype="bfloat16", load_format="dummy")[0]
     assert page_bytes(model_cfg, 16, E4M3) * 2 == page_bytes(model_cfg, 16, jnp.bfloat16)  # twice the pages
+
+
+def test_the_model_hands_attention_f16_queries_where_it_asks_for_them(monkeypatch):
+    """Where `attention_q_dtype` says float16 (Hopper with an 8-bit cache), the layer has the RoPE op write Q in
+    float16 and asks attention for a result in the model's dtype: on the CPU (reference ops, asked the same way)
+    the logits match those of bf16 queries (bf16 values are f16 values, but for f16's subnormals), the attention's
+    result rounded once to bf16."""
+    import jax
+
+    from jengine.kernels_pallas import ragged_paged_attention as rpa
+    from jengine.models import llama
+
+    cfg, params = load_model(FIXTURE, dtype="bfloat16")
+    prompt = HF_CASES[1][0]
+    jax.clear_caches()
+    want = prompt_logits(cfg, params, prompt, kv_dtype=E4M3)
+    seen = []
+
+    def q_dtype(dtype, kv_cache, num_q_heads):
+        seen.append((jnp.dtype(dtype), kv_cache.dtype))
+        return jnp.float16
+
+    def rope(*args, q_dtype=None, **kw):
+        seen.append(q_dtype)
+        return rpa.rope_and_write_kv(*args, q_dtype=q_dtype, **kw)
+
+    monkeypatch.setattr(llama, "attention_q_dtype", q_dtype)
+    monkeypatch.setattr(llama, "rope_and_write_kv", rope)
+    jax.clear_caches()
+    got = prompt_logits(cfg, params, prompt, kv_dtype=E4M3)
+    assert seen == [(jnp.dtype(jnp.bfloat16), E4M3), jnp.float16]  # traced once: every layer shares `_layer`
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())  # (a result rounded twice: 1.5e-2)

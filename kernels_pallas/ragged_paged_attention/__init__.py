@@ -178,7 +178,7 @@ def ragged_paged_attention(
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     if impl == "reference":
-        out = reference.ragged_paged_attention(*args, **kw)
+        out = reference.ragged_paged_attention(*args, **kw, out_dtype=out_dtype)
     elif impl == "gpu":
         from . import gpu, gpu_mosaic
 

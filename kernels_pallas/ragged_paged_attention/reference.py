@@ -120,8 +120,10 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    out_dtype=None,
 ) -> jax.Array:
-    """Causal attention of each query token over its own sequence's cached K/V. Returns `[T, Hq, D]`.
+    """Causal attention of each query token over its own sequence's cached K/V. Returns `[T, Hq, D]` in
+    `out_dtype` (default q's), rounded once from f32.
 
     Token j of a sequence with q_len queries and kv_len keys sits at position kv_len - q_len + j and
     sees keys at positions p with p <= pos (and pos - p < sliding_window when a window is given).
@@ -154,4 +156,4 @@ def ragged_paged_attention(
     denom = p.sum(axis=-1, keepdims=True)
     v = jnp.where(visible[None, :, :, None], v, 0.0)  # unused slots may hold garbage (even NaN)
     out = jnp.einsum("tkgl,ktld->tkgd", p / jnp.where(denom == 0, 1.0, denom), v)
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(out_dtype or q.dtype)
