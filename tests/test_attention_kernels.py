@@ -17,7 +17,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from jengine.kernels_pallas import ragged_paged_attention as rpa
-from jengine.kernels_pallas.ragged_paged_attention import gpu, reference, tpu
+from jengine.kernels_pallas.ragged_paged_attention import blocks, gpu, reference, tpu
 
 
 def make_case(seed, q_lens, kv_lens, *, group, head_dim, page_size, dtype, num_kv_heads=2, pad_tokens=3,
@@ -136,7 +136,7 @@ def test_tpu_kernel_has_no_races_under_forced_interpret_mode(clean_tpu_interpret
 
 def test_gpu_work_items_cover_every_token_once():
     cu = jnp.asarray([0, 5, 5, 6, 6], jnp.int32)
-    seq, start, end = (np.asarray(x) for x in gpu.work_items(cu, jnp.asarray([3], jnp.int32), 9, block_q=4))
+    seq, start, end = (np.asarray(x) for x in blocks.work_items(cu, jnp.asarray([3], jnp.int32), 9, block_q=4))
     covered = np.zeros(9, int)
     for s_, a, b in zip(seq, start, end):
         covered[a:b] += 1
@@ -147,8 +147,8 @@ def test_gpu_work_items_cover_every_token_once():
 
 def test_gpu_mixed_launches_split_short_and_long_sequences():
     cu, n = jnp.asarray([0, 1, 9, 10, 10], jnp.int32), jnp.asarray([3], jnp.int32)
-    short = gpu.work_items(cu, n, 12, 4, select="short", short_len=4, num_items=4)
-    long = gpu.work_items(cu, n, 12, 4, select="long", short_len=4)
+    short = blocks.work_items(cu, n, 12, 4, select="short", short_len=4, num_items=4)
+    long = blocks.work_items(cu, n, 12, 4, select="long", short_len=4)
     short_rows = {(int(a), int(b), int(s_)) for s_, a, b in zip(*(np.asarray(x) for x in short)) if a < b}
     assert short_rows == {(0, 1, 0), (9, 10, 2)}
     long_rows = {(int(a), int(b), int(s_)) for s_, a, b in zip(*(np.asarray(x) for x in long)) if a < b}
@@ -228,3 +228,38 @@ def test_invalid_inputs_raise_value_error_naming_the_argument(arg, change):
     args, kw = _bad(**change)
     with pytest.raises(ValueError, match=f"`{arg}`"):
         rpa.ragged_paged_attention(**args, **kw)
+
+
+def test_without_the_triton_lowering_gpu_calls_fall_to_xla_and_the_mosaic_kernel_still_imports():
+    """JAX has deprecated Pallas's Triton lowering. In a process where it cannot be imported, the Mosaic GPU modules
+    import (they share only `blocks.py` with the Triton kernel), and impl="gpu" runs XLA's ops for what the Triton
+    kernels did: the reference's results."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["jax.experimental.pallas.triton"] = None  # what `import` finds once JAX drops the module
+import numpy as np, jax.numpy as jnp
+from jengine.kernels_pallas import ragged_paged_attention as rpa
+from jengine.kernels_pallas.ragged_paged_attention import gpu_mosaic, reference
+assert not rpa.triton_lowering()
+rng = np.random.default_rng(0)
+args = (jnp.asarray(rng.standard_normal((6, 4, 64)), jnp.float32),  # 2 sequences: 1 + 5 query tokens, 9 and 5 keys
+        jnp.asarray(rng.standard_normal(reference.kv_cache_shape(4, 16, 2, 64)), jnp.float32),
+        jnp.asarray([9, 5], jnp.int32), jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([0, 1, 6], jnp.int32),
+        jnp.asarray([2], jnp.int32))
+out = rpa.ragged_paged_attention(*args, sm_scale=0.125, impl="gpu")
+np.testing.assert_array_equal(out, reference.ragged_paged_attention(*args, sm_scale=0.125))
+cache = jnp.asarray(rng.standard_normal(reference.kv_cache_shape(2, 8, 2, 64)), jnp.float32)
+qkv, cos, sin = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((3, 8 * 64), (3, 32), (3, 32)))
+slots = jnp.asarray([3, -1, 9], jnp.int32)
+got = rpa.rope_and_write_kv(cache, qkv, cos, sin, slots, num_q_heads=4, impl="gpu")
+want = reference.rope_and_write_kv(cache, qkv, cos, sin, slots, 4)
+for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+assert "jax.experimental.pallas.triton" in sys.modules and sys.modules["jax.experimental.pallas.triton"] is None
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

@@ -13,7 +13,7 @@ from jengine.buckets import (
     seq_bucket,
     shape_pairs,
 )
-from jengine.kernels_pallas.ragged_paged_attention.gpu import is_decode_bucket
+from jengine.kernels_pallas.ragged_paged_attention.blocks import is_decode_bucket
 
 
 def test_token_buckets_double_from_16_and_end_at_the_budget():

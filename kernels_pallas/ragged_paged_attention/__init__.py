@@ -4,7 +4,8 @@
 GPUs (the Mosaic GPU kernel in `gpu_mosaic.py` on Hopper where it supports the shapes, else the Triton
 kernel in `gpu.py`), the Pallas TPU kernel on TPUs, the pure-jnp reference elsewhere (CPU). `impl=`
 overrides the choice and `interpret=True` runs a Pallas kernel in interpret mode (tests on CPU).
-`rope_and_write_kv` (Q/K/V split, RoPE, K/V into the cache) chooses the same way.
+`rope_and_write_kv` (Q/K/V split, RoPE, K/V into the cache) chooses the same way. Where JAX no longer has the
+Triton lowering (deprecated), the Triton kernels' work falls to XLA's ops (`triton_lowering`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 def _default_impl() -> str:
     backend = jax.default_backend()
     return {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}.get(backend, "reference")
+
+
+def triton_lowering() -> bool:
+    """Whether this JAX still has Pallas's Triton lowering, which it has deprecated. Where it is gone, what the
+    Triton kernels (`gpu.py`, `gpu_rope_write_kv.py`) did on GPUs falls to XLA's ops; Hopper keeps its Mosaic GPU
+    attention, which does not depend on them."""
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _check(ok: bool, name: str, message: str, op: str = "ragged_paged_attention") -> None:
@@ -135,7 +147,7 @@ def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: 
     if impl not in IMPLS:
         raise ValueError(f"{op}: `impl` must be one of {IMPLS} or None, got {impl!r}")
     args = (kv_cache, qkv, cos, sin, slot_mapping, num_q_heads, kv_scales, q_dtype)
-    if impl == "gpu":
+    if impl == "gpu" and triton_lowering():
         from . import gpu_rope_write_kv
 
         if gpu_rope_write_kv.supports(head_dim):
@@ -180,10 +192,14 @@ def ragged_paged_attention(
     if impl == "reference":
         out = reference.ragged_paged_attention(*args, **kw, out_dtype=out_dtype)
     elif impl == "gpu":
-        from . import gpu, gpu_mosaic
+        from . import gpu_mosaic
 
         if _mosaic(q, kv_cache, config, interpret):
             return gpu_mosaic.ragged_attention_mosaic(*args, **kw, config=config, out_dtype=out_dtype)
+        if not triton_lowering():
+            return reference.ragged_paged_attention(*args, **kw, out_dtype=out_dtype)
+        from . import gpu
+
         out = gpu.ragged_paged_attention_gpu(*args, **kw, config=config, interpret=interpret)
     else:
         from .tpu import ragged_paged_attention_tpu

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-LOG2E = math.log2(math.e)
-M_INIT = -1e30  # finite, so rows that see no key keep exp2(s - m) = 0 for masked (-inf) logits
+from .blocks import LOG2E, M_INIT, NUM_SMS, is_decode_bucket, key_blocks, merge_splits, work_items
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +49,6 @@ TUNED = {
     # prefill: causal 4k tokens 501 us; rows 64/256 or block_kv 64 or 4 warps were slower.
     "prefill": dict(rows=128, block_kv=128, num_warps=8, num_stages=3),
 }
-NUM_SMS = 132
-
-
 def tuned_config(kind: str, num_seqs: int, num_kv_heads: int, group: int, page_size: int,
                  max_kv_len: int, itemsize: int = 2) -> GpuConfig:
     """Tile sizes for a "decode" or "prefill" launch, from static shapes only."""
@@ -71,55 +66,6 @@ def tuned_config(kind: str, num_seqs: int, num_kv_heads: int, group: int, page_s
         splits = 1 << (splits.bit_length() - 1)
     stages = t["num_stages"] if itemsize <= 2 else 1
     return GpuConfig(block_q, block_kv, splits, t["num_warps"], stages)
-
-
-def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, block_q: int, *,
-               select: str = "all", short_len: int = 1, num_items: int | None = None):
-    """Query blocks `(seq, q_start, q_end)`, each `[num_items]` int32 (default cdiv(T, block_q) + S + 1).
-
-    seq = -1 marks the padding segment (tokens past cu_q_lens[num_seqs]) and unused entries.
-    select: "all" segments; "short" = sequences with 1..short_len query tokens; "long" = the others,
-    padding segment included.
-    """
-    s = cu_q_lens.shape[0] - 1
-    n = num_seqs[0]
-    idx = jnp.arange(s + 1, dtype=jnp.int32)
-    cu_next = jnp.append(cu_q_lens[1:], num_tokens)
-    seg_start = jnp.where(idx <= n, cu_q_lens, num_tokens)
-    seg_end = jnp.where(idx < n, cu_next, num_tokens)
-    seg_end = jnp.maximum(seg_end, seg_start)
-    count = (seg_end - seg_start + block_q - 1) // block_q
-    if select != "all":
-        length = seg_end - seg_start
-        short = (idx < n) & (length >= 1) & (length <= short_len)
-        count = jnp.where(short if select == "short" else ~short, count, 0)
-    ends = jnp.cumsum(count)
-    if num_items is None:
-        num_items = pl.cdiv(num_tokens, block_q) + s + 1
-    i = jnp.arange(num_items, dtype=jnp.int32)
-    # compare_all: a handful of vector ops; the default binary search is a device while-loop.
-    seg = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), s).astype(jnp.int32)
-    local = i - (ends[seg] - count[seg])
-    used = i < ends[-1]
-    q_start = jnp.where(used, seg_start[seg] + local * block_q, 0)
-    q_end = jnp.where(used, jnp.minimum(q_start + block_q, seg_end[seg]), 0)
-    seq = jnp.where(used & (seg < n), seg, -1)
-    return seq.astype(jnp.int32), q_start.astype(jnp.int32), q_end.astype(jnp.int32)
-
-
-def key_blocks(kv_len, first_pos, n_tok, *, window, block_kv, splits, split):
-    """The keys `[kv_lo, kv_hi)` that query tokens `[first_pos, first_pos + n_tok)` of a sequence with
-    kv_len keys see (causal, optional window), and the key blocks `[blk_lo, blk_hi)` of split `split`
-    of `splits` (blk_hi may fall below blk_lo when a split gets none). Scalars, in either kernel."""
-    kv_hi = jnp.where(n_tok > 0, jnp.maximum(jnp.minimum(kv_len, first_pos + n_tok), 0), 0)
-    kv_lo = 0 if window is None else jnp.maximum(first_pos - window + 1, 0)
-    blk_lo = kv_lo // block_kv
-    blk_hi = (kv_hi + block_kv - 1) // block_kv
-    if splits > 1:
-        per = (jnp.maximum(blk_hi - blk_lo, 0) + splits - 1) // splits
-        blk_lo = blk_lo + split * per
-        blk_hi = jnp.minimum(blk_lo + per, blk_hi)
-    return kv_lo, kv_hi, blk_lo, blk_hi
 
 
 def _kernel(seq_ref, qs_ref, qe_ref, kv_lens_ref, cu_ref, pages_ref,  # metadata
@@ -197,14 +143,6 @@ def _kernel(seq_ref, qs_ref, qe_ref, kv_lens_ref, cu_ref, pages_ref,  # metadata
                     mask=jnp.broadcast_to(tok_ok[:, None], (block_q, group)))
 
 
-def _merge_splits(o, lse):
-    """o [N, T, Hkv, G, D] f32 normalised per split, lse [N, T, Hkv, G] (base 2) -> [T, Hkv, G, D]."""
-    top = lse.max(axis=0)
-    w = jnp.where(jnp.isfinite(lse), jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-    den = w.sum(axis=0)
-    return (w[..., None] * o).sum(axis=0) / jnp.where(den == 0.0, 1.0, den)[..., None]
-
-
 def _launch(qg, kv_cache, kv_lens, page_indices, cu_q_lens, items, config, block_q, out, *, sm_scale,
             sliding_window, soft_cap, interpret):
     """One pallas_call over `items`; writes its rows of `out` (aliased) or of a fresh array."""
@@ -253,12 +191,7 @@ def _launch(qg, kv_cache, kv_lens, page_indices, cu_q_lens, items, config, block
         interpret=interpret,
         name="ragged_paged_attention",
     )(*inputs)
-    return res if splits == 1 else _merge_splits(*res).astype(qg.dtype)
-
-
-def is_decode_bucket(num_tokens: int, num_seqs_max: int) -> bool:
-    """Whether a bucket of T tokens and S sequence rows is decode-shaped (T <= 2 S): one decode launch."""
-    return num_tokens <= 2 * num_seqs_max
+    return res if splits == 1 else merge_splits(*res).astype(qg.dtype)
 
 
 def ragged_paged_attention_gpu(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,

@@ -1,6 +1,6 @@
 """Ragged paged attention for Hopper GPUs: Pallas Mosaic GPU, pages copied by the TMA engine, wgmma.
 
-Rows. A query block is up to `block_q` consecutive tokens of one sequence (`gpu.work_items`), and its
+Rows. A query block is up to `block_q` consecutive tokens of one sequence (`blocks.work_items`), and its
 rows are those tokens' `group` query heads, token-major: `block_q * group` rows fill the 64-row wgmma
 tile (the instruction's minimum height; block_q = 64 // group by default). A decode row is a block of
 one token (in layout 1 its other rows are never stored; the table runs such blocks transposed, below);
@@ -13,7 +13,7 @@ Program layouts:
   shared-memory slots, computes S = Q K^T on the tensor cores, an online softmax in f32 registers,
   then acc += P V with P from registers, and refills a slot once its block's second wgmma has
   completed. Key splits (small batches) write f32 partial results and base-2 log-sum-exps that
-  `gpu._merge_splits` combines, like the Triton kernel's.
+  `blocks.merge_splits` combines, like the Triton kernel's.
 - Transposed (`transposed=True`: decode buckets, and an 8-bit cache's decode rows in mixed buckets):
   a one-token block would fill 4 of the 64-row tile's rows (GQA group 4), so `_kernel_t` turns the
   matmuls around: S^T = K Q^T with the block's keys as the tile's rows and the token's query heads as
@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .gpu import LOG2E, M_INIT, NUM_SMS, _merge_splits, is_decode_bucket, key_blocks, work_items
+from .blocks import LOG2E, M_INIT, NUM_SMS, is_decode_bucket, key_blocks, merge_splits, work_items
 from .reference import is_fp8, saturate
 
 ROWS = 64  # wgmma tile height
@@ -696,7 +696,7 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
             functools.partial(_kernel, splits=splits, **static), out_type=out_type, scratch_types=scratch,
             grid=(num_items, num_kv_heads, splits), grid_names=("item", "head", "split"), compiler_params=params,
         )(meta, qg, kv_cache)
-    out = res if splits == 1 else _merge_splits(*res)
+    out = res if splits == 1 else merge_splits(*res)
     return out.astype(out_dtype).reshape(num_tokens, num_q_heads, head_dim)
 
 
@@ -753,7 +753,7 @@ def _block_scratch(qg, kv_dtype, splits, block_q, block_kv, stages, page_size, q
 
 def _out_type(qg, splits):
     """The launch's results: `[T, Hkv, G, D]` in q's dtype, or with key splits f32 partial results
-    `[splits, T, Hkv, G, D]` and their base-2 log-sum-exps `[splits, T, Hkv, G]` (`gpu._merge_splits`)."""
+    `[splits, T, Hkv, G, D]` and their base-2 log-sum-exps `[splits, T, Hkv, G]` (`blocks.merge_splits`)."""
     if splits == 1:
         return jax.ShapeDtypeStruct(qg.shape, qg.dtype)
     return (jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
