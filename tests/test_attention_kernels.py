@@ -223,6 +223,7 @@ def test_numpy_scalars_are_accepted_as_static_options():
     ("soft_cap", dict(soft_cap=-1.0)),
     ("impl", dict(impl="cuda")),
     ("out_dtype", dict(out_dtype="int32")),
+    ("out_dtype", dict(out_dtype="no such type")),
 ])
 def test_invalid_inputs_raise_value_error_naming_the_argument(arg, change):
     args, kw = _bad(**change)

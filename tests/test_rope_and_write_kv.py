@@ -128,7 +128,8 @@ def test_names_bad_arguments():
                       (dict(kv_cache=cache[0]), "kv_cache"), (dict(qkv=qkv[:, :-D]), "qkv"),
                       (dict(num_q_heads=3), "num_q_heads"), (dict(cos=cos.astype(jnp.bfloat16)), "cos"),
                       (dict(sin=sin[:, :-1]), "sin"), (dict(kv_scales=jnp.ones(3)), "kv_scales"),
-                      (dict(impl="cuda"), "impl"), (dict(q_dtype=jnp.int8), "q_dtype")):
+                      (dict(impl="cuda"), "impl"), (dict(q_dtype=jnp.int8), "q_dtype"),
+                      (dict(q_dtype="float17"), "q_dtype")):
         with pytest.raises(ValueError, match=f"rope_and_write_kv: `{name}`"):
             call(**bad)
 

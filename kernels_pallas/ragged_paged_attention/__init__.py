@@ -41,6 +41,16 @@ def triton_lowering() -> bool:
     return True
 
 
+def _float_dtype_or_none(x) -> bool:
+    """Whether `x` is None or names float32, bfloat16 or float16 (anything else, unreadable names included: False)."""
+    if x is None:
+        return True
+    try:
+        return any(jnp.dtype(x) == d for d in _FLOAT_DTYPES)
+    except TypeError:
+        return False
+
+
 def _check(ok: bool, name: str, message: str, op: str = "ragged_paged_attention") -> None:
     if not ok:
         raise ValueError(f"{op}: `{name}` {message}")
@@ -141,7 +151,7 @@ def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: 
     _check(kv_scales is None or (kv_scales.shape == (2,) and kv_scales.dtype == jnp.float32), "kv_scales",
            f"must be None or float32 [2], got {getattr(kv_scales, 'dtype', None)} {getattr(kv_scales, 'shape', None)}",
            op)
-    _check(q_dtype is None or any(jnp.dtype(q_dtype) == d for d in _FLOAT_DTYPES), "q_dtype",
+    _check(_float_dtype_or_none(q_dtype), "q_dtype",
            f"must be None or float32/bfloat16/float16, got {q_dtype!r}", op)
     impl = _default_impl() if impl is None else impl
     if impl not in IMPLS:
@@ -181,7 +191,7 @@ def ragged_paged_attention(
     """
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap)
-    _check(out_dtype is None or any(jnp.dtype(out_dtype) == d for d in _FLOAT_DTYPES), "out_dtype",
+    _check(_float_dtype_or_none(out_dtype), "out_dtype",
            f"must be None or float32/bfloat16/float16, got {out_dtype!r}")
     out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
     impl = _default_impl() if impl is None else impl
