@@ -678,8 +678,8 @@ def ragged_attention_mosaic(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_s
     elif config.transposed:  # prompt blocks, then the decode tokens' items transposed, in one launch
         qs, per_slab = _transposed_q(q, num_kv_heads, kv_cache.dtype)
         _, scratch_t = _transposed_scratch(qs, result, kv_cache.dtype, 1, block_kv, stages, page_size)
-        # The blocks read the items' Q where its slabs are whole groups (no padding): Q is then converted
-        # once, and XLA fuses that into the RoPE that makes Q (one pass over Q, not two).
+        # The blocks read the items' Q where its slabs are whole groups (no padding): one f16 Q for the launch,
+        # which the model's RoPE kernel writes in f16 already (`attention_q_dtype`), else converted here once.
         q_blocks = qs.reshape(qg.shape) if qs.size == qg.size else qg
         out_type, scratch_1 = _block_scratch(result, kv_cache.dtype, 1, block_q, block_kv, stages, page_size,
                                              q_dtype=q_blocks.dtype)
