@@ -28,8 +28,9 @@ def lowered_for_h200(fn, *args) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("kv_dtype, scaled", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
-def test_rope_and_write_kv_lowers_to_triton(kv_dtype, scaled):
+@pytest.mark.parametrize("kv_dtype, scaled, q_dtype", [(jnp.bfloat16, False, None), (jnp.float8_e4m3fn, True, None),
+                                                       (jnp.float8_e4m3fn, False, jnp.float16)])
+def test_rope_and_write_kv_lowers_to_triton(kv_dtype, scaled, q_dtype):
     tokens, hq, hkv, d, page_size = 8, 8, 2, 64, 16
     cache = jnp.zeros(reference.kv_cache_shape(6, page_size, hkv, d), kv_dtype)
     qkv = jnp.zeros((tokens, (hq + 2 * hkv) * d), jnp.bfloat16)
@@ -37,9 +38,11 @@ def test_rope_and_write_kv_lowers_to_triton(kv_dtype, scaled):
     slots = jnp.arange(tokens, dtype=jnp.int32)
     scales = jnp.ones((2,), jnp.float32) if scaled else None
     text = lowered_for_h200(
-        lambda c, x, cos, sin, s: gpu_rope_write_kv.rope_and_write_kv_gpu(c, x, cos, sin, s, hq, scales),
+        lambda c, x, cos, sin, s: gpu_rope_write_kv.rope_and_write_kv_gpu(c, x, cos, sin, s, hq, scales, q_dtype),
         cache, qkv, table, table, slots)
     assert text.count(TRITON_CALL) == 1
+    if q_dtype is not None:  # Q leaves the kernel in f16 (the 8-bit cache's Hopper attention reads it so)
+        assert f"tensor<{tokens}x{hq}x{d}xf16>" in text
 
 
 # (q_lens, kv_lens, options, config): the table's decode and mixed launches (key splits, the mixed bucket's
