@@ -48,12 +48,15 @@ def main(argv: list[str] | None = None) -> None:
         from jengine.models import llama
 
         if args.ablate in ("attention", "both"):
-            llama.ragged_paged_attention = lambda q, *a, **k: q
+            llama.ragged_paged_attention = lambda q, *a, out_dtype=None, **k: q.astype(out_dtype or q.dtype)
         if args.ablate in ("write_kv", "both"):
             from jengine.kernels_pallas.ragged_paged_attention.reference import split_heads
 
-            llama.rope_and_write_kv = lambda cache, qkv, cos, sin, slots, *, num_q_heads, kv_scales=None: (
-                split_heads(qkv, num_q_heads, cache.shape[1], cache.shape[4])[0], cache)
+            def no_write(cache, qkv, cos, sin, slots, *, num_q_heads, kv_scales=None, q_dtype=None):
+                q = split_heads(qkv, num_q_heads, cache.shape[1], cache.shape[4])[0]
+                return q.astype(q_dtype or qkv.dtype), cache
+
+            llama.rope_and_write_kv = no_write
     seqs = tuple(sorted(set(args.batch_sizes)))
     num_tokens = max(args.num_tokens, max(seqs))
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=1024, max_num_seqs=max(seqs),

@@ -297,6 +297,22 @@ def test_step_probe_runs_each_batch_in_the_engines_buckets(capsys):
     assert len(lines) == 2 and "B=  1" in lines[0] and "B=  2" in lines[1]
 
 
+def test_step_probe_ablations_take_the_models_calls(capsys, monkeypatch):
+    """--ablate swaps the layer's RoPE + K/V write and attention for no-ops with the same signatures (the
+    module's functions are restored after)."""
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import step_probe
+
+    from jengine.models import llama
+
+    for name in ("rope_and_write_kv", "ragged_paged_attention"):
+        monkeypatch.setattr(llama, name, getattr(llama, name))
+    step_probe.main(["--model", "jengine/tiny-llama", "--batch-sizes", "1", "--num-tokens", "8", "--context", "16",
+                     "--ablate", "both"])
+    assert sum("sync step" in line for line in capsys.readouterr().out.splitlines()) == 1
+
+
 def test_sampler_filter_times_every_select_and_checks_them_against_the_radix_one(tmp_path):
     data = _run("sampler_filter", ["--batch-sizes", "3", "--vocab", "3000", "--calls", "2"], tmp_path)
     assert len(data["results"]) == 5 and all(row["same_as_radix"] for row in data["results"])
