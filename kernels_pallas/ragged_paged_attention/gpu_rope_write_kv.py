@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .reference import saturate, to_cache_dtype
+from .reference import saturate
 
 
 def supports(head_dim: int) -> bool:
@@ -64,9 +64,9 @@ def _kernel(slots_ref, qkv_ref, cos_ref, sin_ref, *refs, group, num_q_heads, pag
         for i, part in enumerate(rotated[-1]):
             if scaled:
                 part = (part.astype(jnp.float32) / k_scale).astype(dtype)
-            cache_ref[0, h, page, offset, pl.ds(i * half, half)] = to_cache_dtype(part, cache_ref.dtype)
+            cache_ref[0, h, page, offset, pl.ds(i * half, half)] = saturate(part, cache_ref.dtype)
         value = (v.astype(jnp.float32) / v_scale).astype(dtype) if scaled else v
-        cache_ref[1, h, page, offset, :] = to_cache_dtype(value, cache_ref.dtype)
+        cache_ref[1, h, page, offset, :] = saturate(value, cache_ref.dtype)
 
 
 def rope_and_write_kv_gpu(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: jax.Array,

@@ -28,18 +28,10 @@ def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype) in FP8_DTYPES
 
 
-def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
-    """x in the cache's dtype; into an 8-bit float saturated to its finite range (a plain cast would
-    turn values past it into NaN in e4m3fn, which has no infinity)."""
-    if is_fp8(dtype):
-        top = float(jnp.finfo(dtype).max)
-        x = jnp.clip(x.astype(jnp.float32), -top, top)
-    return x.astype(dtype)
-
-
 def saturate(x: jax.Array, dtype) -> jax.Array:
-    """x in `dtype`, clipped first to that type's finite range where it is narrower than x's (bf16 into float16:
-    the Hopper kernel's f16 queries for 8-bit caches; a plain cast would turn values past it into infinities)."""
+    """x in `dtype`, clipped first to that type's finite range where it is narrower than x's: K/V into an 8-bit
+    cache (a plain cast would turn values past the range into NaN in e4m3fn, which has no infinity), and bf16
+    queries into float16 for the Hopper kernel over an 8-bit cache (into infinities)."""
     top = float(jnp.finfo(dtype).max)
     if top < float(jnp.finfo(x.dtype).max):
         x = jnp.clip(x.astype(jnp.float32), -top, top)
@@ -57,7 +49,7 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     oob = num_pages * page_size
     slots = jnp.where(slot_mapping < 0, oob, slot_mapping)
     page, offset = slots // page_size, slots % page_size
-    kv = to_cache_dtype(jnp.stack([k, v]), kv_cache.dtype)  # [2, T, Hkv, D]
+    kv = saturate(jnp.stack([k, v]), kv_cache.dtype)  # [2, T, Hkv, D]
     kv = jnp.swapaxes(kv, 1, 2)  # [2, Hkv, T, D]
     return kv_cache.at[:, :, page, offset].set(kv, mode="drop")
 
