@@ -94,10 +94,9 @@ def _attention(params, cfg, x, inp: ModelInput, kv_cache, cos, sin, mesh):
     def attend(kv_cache, qkv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, cos, sin, *scales):
         # Q in the dtype the attention reads it in (float16 for an 8-bit cache on Hopper), written so by the RoPE
         # kernel rather than converted in a pass of its own; the attention's result in the model's dtype.
-        q_dtype = attention_q_dtype(qkv.dtype, kv_cache, hq // tp)
         q, kv_cache = rope_and_write_kv(kv_cache, qkv.reshape(num_tokens, -1), cos, sin, slot_mapping,
                                         num_q_heads=hq // tp, kv_scales=scales[0] if scales else None,
-                                        q_dtype=None if q_dtype == qkv.dtype else q_dtype)
+                                        q_dtype=attention_q_dtype(qkv.dtype, kv_cache, hq // tp))
         out = ragged_paged_attention(
             q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=d**-0.5, sliding_window=cfg.sliding_window, out_dtype=qkv.dtype,

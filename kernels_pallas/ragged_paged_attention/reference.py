@@ -86,7 +86,7 @@ def rope_and_write_kv(kv_cache: jax.Array, qkv: jax.Array, cos: jax.Array, sin: 
         q = (q * kv_scales[0]).astype(qkv.dtype)
         k, v = (k / kv_scales[0]).astype(qkv.dtype), (v / kv_scales[1]).astype(qkv.dtype)
     if q_dtype is not None:
-        q = saturate(q.astype(qkv.dtype), q_dtype)
+        q = saturate(q, q_dtype)
     return q, write_kv(kv_cache, k, v, slot_mapping)
 
 
