@@ -266,7 +266,6 @@ def _normalise(acc, denom, dim=0):
 # bf16 only through f32 with this ptxas), and this load layout was the fastest of WGMMA, WGMMA_8BIT and
 # WGMMA_UPCAST_2X on an H200 (RESULTS.md, session 9).
 FP8_LOAD_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
-F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
 def _upcast(ref):
@@ -312,7 +311,7 @@ def _kernel(meta_ref, q_ref, kv_ref, *refs, num_items, num_seqs_max, pages_per_s
         q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)  # rows past the group: never stored
         mm_dtype = jnp.float16 if convert else dtype
         if convert and q.dtype != mm_dtype:  # saturated to f16's range
-            q = jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(mm_dtype)
+            q = saturate(q, mm_dtype)
         row_group = group if block_q > 1 or window is not None else None
 
         def step(b, carry, masked):
