@@ -8,9 +8,10 @@ transformers (`generate`, sdpa) the step time is end-to-end / output length (pre
 BENCHMARKS.md anchor is quoted).
 
 `--trace` runs each batch size once more under `jax.profiler` and prints, per engine step, the device's
-kernel span, busy and idle time and the host's busiest annotations (`--host-events N`): where the
-engine's own loop (scheduling, packing, reading results back) leaves the device waiting, which
-`profile_step.py`'s fixed-input loop does not show.
+kernel span, busy and idle time, the widest idle gaps (`--gaps N`) and the host's busiest annotations
+(`--host-events N`): where the engine's own loop (scheduling, packing, reading results back) leaves the
+device waiting, which `profile_step.py`'s fixed-input loop does not show. JAX's Python tracer stays off
+unless `--python-tracer` (it slows the host enough that a traced batch-1 loop waits on the host).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def trace_run(args, llm, prompts, params) -> dict:
     engine.scheduler.block_manager.reset_prefix_cache()
     steps0 = engine.stats["steps"]
     trace_dir = tempfile.mkdtemp(prefix="jengine_latency_trace_")
-    jax.profiler.start_trace(trace_dir)
+    profile_step.start_trace(trace_dir, python=args.python_tracer)
     llm.generate(prompts, params, use_tqdm=False)
     jax.profiler.stop_trace()
     steps = engine.stats["steps"] - steps0
@@ -88,12 +89,14 @@ def trace_run(args, llm, prompts, params) -> dict:
     planes = profile_step.kernel_events(data)
     if not planes:
         raise SystemExit("latency.py --trace: the trace has no GPU kernels (it reads GPU traces only)")
-    summary = profile_step.summarise(planes[sorted(planes)[0]], steps, top_n=0)
+    summary = profile_step.summarise(planes[sorted(planes)[0]], steps, top_n=0, gaps_n=args.gaps)
     summary["steps"] = steps
     summary["host_events"] = profile_step.host_events(data, steps, args.host_events)
     print(f"    traced {steps} steps: span {summary['span_ms']:.3f}, kernels busy {summary['busy_ms']:.3f}, idle "
           f"{summary['idle_ms']:.3f} ms/step (largest gap per step {summary['largest_gap_ms']:.3f} ms), "
-          f"{summary['kernels_per_step']:.0f} kernels/step")
+          f"{summary['kernels_per_step']:.0f} kernels/step, median gap {summary['median_gap_us']:.1f} us")
+    for g in summary["widest_gaps"]:
+        print(f"    gap {g['us']:8.1f} us after {g['after']!r} before {g['before']!r}")
     for name, ms, calls in summary["host_events"]:
         print(f"    host {ms:7.3f} ms/step {calls:7.1f}x  {name}")
     return summary
@@ -131,6 +134,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="profile one more run per batch size (jengine): device busy / idle per step")
     parser.add_argument("--host-events", type=non_negative_int, default=20,
                         help="with --trace: the host's N busiest annotations")
+    parser.add_argument("--gaps", type=non_negative_int, default=0,
+                        help="with --trace: the N widest idle gaps of the traced run, with their neighbours")
+    parser.add_argument("--python-tracer", action="store_true",
+                        help="with --trace: trace Python calls too (their names in --host-events; slows the host)")
     parser.add_argument("--peak-tb-s", type=positive_float, default=H200_COPY_BW / 1e12, help="bandwidth of the bound")
     args = parser.parse_args(argv)
     if args.backend != "jengine":

@@ -88,6 +88,15 @@ def load_trace(trace_dir: str):
     return ProfileData.from_file(path)
 
 
+def start_trace(trace_dir: str, python: bool = False) -> None:
+    """`jax.profiler.start_trace`, with JAX's Python tracer only if `python`: it records every Python call, which
+    slows the host several-fold (a traced engine loop at batch 1 then waits on its host, not on the device).
+    Without it the trace keeps the device's kernels and the runtime's own annotations (XLA, PjRt, CUDA calls)."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 1 if python else 0
+    jax.profiler.start_trace(trace_dir, profiler_options=options)
+
+
 def host_events(data, steps: int, top_n: int) -> list[tuple[str, float, float]]:
     """The host's busiest trace annotations: (name, ms per step, calls per step), nested ones included
     (an outer annotation's time contains its children's); numbers in names are folded to '#'."""
@@ -191,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also list the N widest idle gaps, with their neighbours")
     parser.add_argument("--host-events", type=non_negative_int, default=0,
                         help="also list the host's N busiest annotations")
+    parser.add_argument("--python-tracer", action="store_true",
+                        help="trace Python calls too (their names in --host-events; slows the host)")
     parser.add_argument("--sequence", type=int, nargs=2, default=None, metavar=("FIRST", "COUNT"),
                         help="also list COUNT kernels of the traced run in time order from kernel FIRST "
                              "(one layer's chain: which fusions sit between the GEMMs, with gaps)")
@@ -232,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
             times.append((time.perf_counter() - t1) * 1e3 / args.steps)
         step_ms = statistics.median(times)
         trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="jengine_trace_")
-        jax.profiler.start_trace(trace_dir)
+        start_trace(trace_dir, python=args.python_tracer)
         run_steps(engine.runner, inp, args.steps)
         jax.profiler.stop_trace()
         data = load_trace(trace_dir)

@@ -89,13 +89,14 @@ def test_latency_trace_reads_the_engines_own_steps(tmp_path):
     import jax
 
     argv = [*ENGINE, "--batch-sizes", "2", "--input-len", "8", "--output-len", "4", "--num-iters", "1",
-            "--trace", "--host-events", "3"]
+            "--trace", "--host-events", "3", "--gaps", "2"]
     if jax.default_backend() != "gpu":
         with pytest.raises(SystemExit, match="no GPU kernels"):
             _run("latency", argv, tmp_path)
         return
     trace = _run("latency", argv, tmp_path)["results"][0]["trace"]
     assert trace["steps"] >= 4 and trace["busy_ms"] > 0 and len(trace["host_events"]) == 3
+    assert len(trace["widest_gaps"]) == 2
 
 
 @pytest.mark.parametrize("name, argv, message", [

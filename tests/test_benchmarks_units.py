@@ -72,3 +72,24 @@ def test_engine_flags_pass_the_compilation_cache_dir_or_turn_it_off():
                 ["--gpu-memory-utilization", "0"], ["-tp", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+@pytest.mark.parametrize("python", [False, True])
+def test_traces_record_python_calls_only_when_asked(tmp_path, python):
+    """profile_step.start_trace (latency.py / profile_step.py --trace): JAX's Python tracer, which slows the host
+    several-fold, records the engine's Python functions only with `python`; the runtime's annotations stay."""
+    import jax
+    import jax.numpy as jnp
+    from profile_step import host_events, load_trace, start_trace
+
+    def engine_step_marker(x):  # a Python function the Python tracer records by name
+        return jax.jit(lambda y: y * 2 + 1)(x).block_until_ready()
+
+    start_trace(str(tmp_path), python=python)
+    try:
+        engine_step_marker(jnp.ones(8))
+    finally:
+        jax.profiler.stop_trace()
+    names = [name for name, _, _ in host_events(load_trace(str(tmp_path)), steps=1, top_n=10_000)]
+    assert any("engine_step_marker" in n for n in names) == python
+    assert any(n.startswith("PjitFunction") for n in names)  # the runtime's own annotation of the jit call
