@@ -11,7 +11,7 @@ BENCHMARKS.md anchor is quoted).
 kernel span, busy and idle time, the widest idle gaps (`--gaps N`) and the host's busiest annotations
 (`--host-events N`): where the engine's own loop (scheduling, packing, reading results back) leaves the
 device waiting, which `profile_step.py`'s fixed-input loop does not show. JAX's Python tracer stays off
-unless `--python-tracer` (it slows the host enough that a traced batch-1 loop waits on the host).
+unless `--python-tracer` (it slows the host: a traced batch-1 step took 4.95 ms with it, 4.71 without).
 """
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ def test_engine_flags_pass_the_compilation_cache_dir_or_turn_it_off():
 
 @pytest.mark.parametrize("python", [False, True])
 def test_traces_record_python_calls_only_when_asked(tmp_path, python):
-    """profile_step.start_trace (latency.py / profile_step.py --trace): JAX's Python tracer, which slows the host
-    several-fold, records the engine's Python functions only with `python`; the runtime's annotations stay."""
+    """profile_step.start_trace (latency.py / profile_step.py --trace): JAX's Python tracer, which slows the host,
+    records the engine's Python functions only with `python`; the runtime's annotations stay."""
     import jax
     import jax.numpy as jnp
     from profile_step import host_events, load_trace, start_trace
