@@ -110,7 +110,9 @@ def test_mosaic_kernel_takes_f16_queries_for_an_8bit_cache(name, q_lens, kv_lens
         text = kernel.trace(q16, *args[1:]).lower(lowering_platforms=("cuda",)).as_text()
         assert "convert" not in text.split("custom_call @mosaic_gpu")[0]  # Q goes in as it is
         return
-    fn = jax.jit(lambda *a, **k: rpa.ragged_paged_attention(*a, impl="gpu", config=config, **kw, **k))
+    fn = jax.jit(lambda *a, out_dtype=None: rpa.ragged_paged_attention(*a, impl="gpu", config=config,
+                                                                      out_dtype=out_dtype, **kw),
+                 static_argnames="out_dtype")
     out16, out = fn(q16, *args[1:], out_dtype=jnp.bfloat16), fn(*args)
     assert out16.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(out16.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
