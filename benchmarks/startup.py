@@ -85,6 +85,7 @@ def child(args) -> None:
                               "engine_startup_s": llm.engine.startup_seconds,
                               "engine_phases": llm.engine.startup_phases,
                               "lowering_s": llm.engine.builder.warmup_lowering_seconds,
+                              "lowering_by_kind": llm.engine.builder.lowering_by_kind,
                               "first_runs_s": llm.engine.builder.warmup_first_runs_seconds,
                               "helpers_started": llm.engine.builder.build_helpers_started,
                               "helpers": llm.engine.builder.build_helpers_finished,
@@ -150,8 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
         inner = ", ".join(f"{k} {v:.1f}" for k, v in row["engine_phases"].items())
         helpers = (f"; {row['helpers']} of {row.get('helpers_started', row['helpers'])} build helpers finished, "
                    f"waited for {row['helpers_wait_s']:.1f} after its own share" if row.get("helpers_started") else "")
-        print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f}{helpers}, "
-              f"every program's first run {row['first_runs_s']:.1f})")
+        kinds = ", ".join(f"{n} {kind} {secs:.1f}" for kind, (secs, n) in row.get("lowering_by_kind", {}).items())
+        print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f}"
+              f"{f' ({kinds})' if kinds else ''}{helpers}, every program's first run {row['first_runs_s']:.1f})")
     return save_results(args, rows)
 
 

@@ -49,6 +49,8 @@ class ProgramBuilder:
         self.executable_cache_hits = 0  # programs warm-up loaded instead of lowering and compiling
         self._key_context = None  # (params described, closure) of every program's cache key, made once (`_key`)
         self.warmup_lowering_seconds = 0.0  # warm-up's time tracing and lowering (one thread), for reports
+        # this thread's tracing and lowering per kind of program ("forward", "sample", ...): [seconds, programs]
+        self.lowering_by_kind: dict[str, list] = {}
         self.warmup_first_runs_seconds = 0.0  # warm-up's time running every program once, for reports
         self.build_helpers_started = 0  # build helper processes warm-up started
         self.build_helpers_finished = 0  # of those, how many finished cleanly
@@ -85,7 +87,12 @@ class ProgramBuilder:
                 job = pool.submit(cache.load, key)
                 others = [pool.submit(cache.load, key) for _ in range(copies)]
             else:
-                job, others = pool.submit(self._compile_lowered, trace().lower(), opts, key), [None] * copies
+                t = time.perf_counter()
+                lowered = trace().lower()
+                spent = self.lowering_by_kind.setdefault(name[0], [0.0, 0])
+                spent[0] += time.perf_counter() - t
+                spent[1] += 1
+                job, others = pool.submit(self._compile_lowered, lowered, opts, key), [None] * copies
             builds.append((name, key, trace, opts, stored, job, others))
         return builds
 

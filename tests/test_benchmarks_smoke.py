@@ -149,6 +149,10 @@ def test_startup_cold_and_warm_cache(tmp_path):
         assert set(row["engine_phases"]) == {"weights", "tokenizer", "compile"}
         assert sum(row["engine_phases"].values()) <= row["engine_startup_s"] + 1e-6
         assert 0 < row["lowering_s"] <= row["engine_phases"]["compile"]
+    # the cold start lowered forwards and sampling programs on warm-up's thread, inside its lowering phase
+    kinds = cold["lowering_by_kind"]
+    assert kinds["forward"][1] >= 1 and kinds["sample"][1] >= 1
+    assert 0 < sum(secs for secs, _ in kinds.values()) <= cold["lowering_s"] + 1e-6
 
 
 def test_serving_launches_a_server_and_measures_streams(tmp_path):
