@@ -86,12 +86,14 @@ WEIGHTS = {"forward": 6, "hidden_states": 6, "sample": 1}
 
 def shares(items: list, helpers: int, weight=lambda item: 1) -> list[list]:
     """`items` split by `weight` between the main process (the first share) and `helpers` helpers. The main
-    process takes half a helper's share of the weight, from the end of `items` (put the light, fine-grained
-    items last): it also lowers the prompt-logprob programs, and its compile pool serves them all. Each other
-    item, in order, goes to the helper with the least weight so far (put the heavy items first)."""
+    process takes an equal share of the weight (at most), from the end of `items` (put the light, fine-grained
+    items last): it starts at once, where a helper first starts its process and device client, and its
+    prompt-logprob programs are light. (When only forwards were shared it took half a helper's share, as it
+    also lowered every sampling program.) Each other item, in order, goes to the helper with the least weight
+    so far (put the heavy items first)."""
     if helpers <= 0:
         return [list(items)]
-    target = sum(map(weight, items)) / (2 * helpers + 1)
+    target = sum(map(weight, items)) / (helpers + 1)
     mine, load = len(items), 0
     while mine > 0 and load + weight(items[mine - 1]) <= target:
         mine -= 1
