@@ -72,7 +72,8 @@ class ProgramBuilder:
         return cache.key(program, inputs, closure=closure, statics=statics, compiler_options=compiler_options)
 
     def _start_builds(self, programs, pool: concurrent.futures.Executor, copied=frozenset()) -> list[tuple]:
-        """Starts each `(name, key, trace, compiler options)` of `programs` in `pool`: a load where the
+        """Starts each `(name, key, trace, compiler options)` of `programs` in `pool` (`name`: a tuple that
+        starts with the program's kind, `lowering_by_kind`'s key): a load where the
         executable cache holds the key (and one per other copy for a name in `copied`), else a compile of
         the program that `trace()` traces. This thread traces and lowers those, one at a time in the
         given order, while the pool loads and compiles: lowering is Python (it holds the GIL anyway),
@@ -117,10 +118,10 @@ class ProgramBuilder:
         """Programs outside the step buckets (the embedding programs), `{name: (program, args, trace)}`:
         loaded from the executable cache where it holds them, else traced (`trace()`), lowered,
         compiled and stored there; loads and compiles in parallel, as at warm-up."""
-        with concurrent.futures.ThreadPoolExecutor(_default_workers()) as pool:
-            builds = self._start_builds(((name, self._key(program, args), trace, None)
+        with concurrent.futures.ThreadPoolExecutor(_default_workers()) as pool:  # built as (program, name)
+            builds = self._start_builds((((program, name), self._key(program, args), trace, None)
                                          for name, (program, args, trace) in programs.items()), pool)
-            return {name: compiled for name, compiled, _ in self._finish_builds(builds, pool)}
+            return {name[1]: compiled for name, compiled, _ in self._finish_builds(builds, pool)}
 
     def _forward_build(self, bucket: tuple[int, int], layout, args) -> tuple:
         """A (T, S) bucket's forward as `_start_builds` takes it: (name, key, trace, compiler options)."""
