@@ -79,8 +79,8 @@ def memory_room(params, device=None) -> int | None:
     return max(0, room // (HELPER_BASE_BYTES + 2 * largest))
 
 
-# What tracing and lowering a program costs, in sampling programs: an 8B forward took 1.99 s on an H200 host,
-# a sampling program 0.31 s (RESULTS.md, session 45); an embedding program is a forward without attention.
+# What tracing and lowering a program costs, in sampling programs: on an H200 host an 8B forward took 1.99 s and
+# a sampling program 0.31 s (RESULTS.md, session 45), an embedding program 1.3-2.0 s (session 29).
 WEIGHTS = {"forward": 6, "hidden_states": 6, "sample": 1}
 
 

@@ -88,14 +88,19 @@ class ProgramBuilder:
                 job = pool.submit(cache.load, key)
                 others = [pool.submit(cache.load, key) for _ in range(copies)]
             else:
-                t = time.perf_counter()
-                lowered = trace().lower()
-                spent = self.lowering_by_kind.setdefault(name[0], [0.0, 0])
-                spent[0] += time.perf_counter() - t
-                spent[1] += 1
+                lowered = self._lower(name[0], trace)
                 job, others = pool.submit(self._compile_lowered, lowered, opts, key), [None] * copies
             builds.append((name, key, trace, opts, stored, job, others))
         return builds
+
+    def _lower(self, kind: str, trace) -> jax.stages.Lowered:
+        """`trace().lower()`, its time counted under `kind` in `lowering_by_kind`."""
+        started = time.perf_counter()
+        lowered = trace().lower()
+        spent = self.lowering_by_kind.setdefault(kind, [0.0, 0])
+        spent[0] += time.perf_counter() - started
+        spent[1] += 1
+        return lowered
 
     def _finish_builds(self, builds: list[tuple], pool: concurrent.futures.Executor):
         """`(name, executable, futures of its other copies)` per build, in order. An entry that would not
