@@ -1,13 +1,11 @@
 """Cold start in parallel: helper processes build programs into the executable cache.
 
-A cold start is bound by one thread tracing and lowering programs, Python that holds the GIL (on an
-H200, 46 of a 59.5 s engine start, RESULTS.md, session 31), while the compile pool waits for work.
-Threads cannot share that; processes can. Each helper takes a share of the forwards and sampling
-programs the executable cache lacks (with the forwards alone shared, the 8B start-up's 102 sampling
-programs took 31.6 of the main thread's 37.9 s; session 45), weighted by what each costs (`WEIGHTS`):
-it rebuilds the runner over the params' shapes (no weights), keys each program exactly as warm-up does,
-and traces, lowers, compiles and stores it (and `jengine serve`'s embedding programs, which
-`pooling.warmup` then loads). Warm-up builds its own
+A cold start is bound by one thread tracing and lowering the forwards, Python that holds the GIL (on
+an H200, 46 of a 59.5 s engine start, most of it lowering their Mosaic GPU kernels; RESULTS.md, session
+31), while the compile pool waits for work. Threads cannot share that; processes can. Each helper
+takes a share of the forwards the executable cache lacks: it rebuilds the runner over the params'
+shapes (no weights), keys each forward exactly as warm-up does, and traces, lowers, compiles and stores
+it (and `jengine serve`'s embedding programs, which `pooling.warmup` then loads). Warm-up builds its own
 share meanwhile, then loads what the helpers stored; a program a helper did not store (it failed, timed
 out, or keyed it differently) is built by the engine as usual, so helpers can only save time, never
 change what runs.
@@ -79,63 +77,45 @@ def memory_room(params, device=None) -> int | None:
     return max(0, room // (HELPER_BASE_BYTES + 2 * largest))
 
 
-# What tracing and lowering a program costs, in sampling programs: on an H200 host an 8B forward took 1.99 s and
-# a sampling program 0.31 s (RESULTS.md, session 45), an embedding program 1.3-2.0 s (session 29).
-WEIGHTS = {"forward": 6, "hidden_states": 6, "sample": 1}
-
-
-def shares(items: list, helpers: int, weight=lambda item: 1) -> list[list]:
-    """`items` split by `weight` between the main process (the first share) and `helpers` helpers. The main
-    process takes an equal share of the weight (at most), from the end of `items` (put the light, fine-grained
-    items last): it starts at once, where a helper first starts its process and device client, and its
-    prompt-logprob programs are light. (When only forwards were shared it took half a helper's share, as it
-    also lowered every sampling program.) Each other item, in order, goes to the helper with the least weight
-    so far (put the heavy items first)."""
+def shares(items: list, helpers: int) -> list[list]:
+    """`items` split between the main process (the first share) and `helpers` helpers, round-robin
+    among the helpers. The main process takes half a helper's share: it also lowers the sampling and
+    prompt-logprob programs, and its compile pool serves them all."""
     if helpers <= 0:
         return [list(items)]
-    target = sum(map(weight, items)) / (helpers + 1)
-    mine, load = len(items), 0
-    while mine > 0 and load + weight(items[mine - 1]) <= target:
-        mine -= 1
-        load += weight(items[mine])
-    theirs, loads = [[] for _ in range(helpers)], [0] * helpers
-    for item in items[:mine]:
-        least = loads.index(min(loads))
-        theirs[least].append(item)
-        loads[least] += weight(item)
-    return [list(items[mine:])] + theirs
+    mine = len(items) // (2 * helpers + 1)
+    rest = list(items[mine:])
+    return [list(items[:mine])] + [rest[i::helpers] for i in range(helpers)]
 
 
-def start(builder, programs: list[tuple], embedding_lengths=(), helpers: int | None = None
-          ) -> tuple[Helpers | None, list[tuple], list[tuple]]:
-    """Hand a share of the programs the executable cache of `builder` (a `warmup.ProgramBuilder`) lacks to
-    helper processes (`helpers` of them; default `helper_count`). `programs` are warm-up's `(job, build)`
-    pairs (`job` as `ProgramBuilder.job_build` takes it, `build` as `_start_builds` does): forwards, then
-    sampling programs. When any forward is missing (a cold start), the embedding programs of
-    `embedding_lengths` the cache lacks go to the helpers too. Returns the helpers (None: none started), the
-    builds to make now, and those to load once the helpers are done."""
-    builds = [build for _, build in programs]
+def start(builder, buckets: list[tuple[int, int]], forwards: list[tuple], embedding_lengths=(),
+          helpers: int | None = None) -> tuple[Helpers | None, list[tuple], list[tuple]]:
+    """Hand a share of the forwards the executable cache of `builder` (a `warmup.ProgramBuilder`)
+    lacks to helper processes (`helpers` of them; default `helper_count`). `forwards` are warm-up's
+    builds of `buckets`, in order, as `_start_builds` takes them. When any forward is missing (a cold
+    start), the embedding programs of `embedding_lengths` the cache lacks go to the helpers too.
+    Returns the helpers (None: none started), the forwards to build now, and those to load once the
+    helpers are done."""
     cache = builder.executable_cache
     if cache is None:
-        return None, builds, []
-    # (job, its build or None) per program missing: the heavy ones first (the helpers' shares), the sampling
-    # programs last (the engine's own share); an embedding program is left to `pooling.warmup`
-    missing = [(job, build) for job, build in programs if build[1] is not None and not cache.contains(build[1])]
-    if any(job[0] == "forward" for job, _ in missing):
+        return None, forwards, []
+    # (job, its forward's build or None) per program missing: forwards first, so that the engine's own
+    # share (the first) is forwards; an embedding program in it is left to `pooling.warmup`
+    missing = [(("forward", bucket), build) for bucket, build in zip(buckets, forwards)
+               if build[1] is not None and not cache.contains(build[1])]
+    if missing:
         jobs = (("hidden_states", n) for n in embedding_lengths)
-        embeddings = [(job, None) for job in jobs if not cache.contains(builder.job_build(job)[1])]
-        forwards = sum(1 for job, _ in missing if job[0] == "forward")
-        missing[forwards:forwards] = embeddings
+        missing += [(job, None) for job in jobs if not cache.contains(builder.job_build(job)[1])]
     if helpers is None:
         single = builder.runner.mesh is None
         room = memory_room(builder.runner.params) if single and jax.default_backend() == "gpu" else None
         helpers = helper_count(len(missing), os.cpu_count() or 1, jax.default_backend(), single, room)
-    theirs = [share for share in shares(missing, helpers, lambda item: WEIGHTS[item[0][0]])[1:] if share]
+    theirs = [share for share in shares(missing, helpers)[1:] if share]
     if not theirs:
-        return None, builds, []
+        return None, forwards, []
     later = {build[0] for share in theirs for _, build in share if build is not None}
     handle = Helpers(builder, [[job for job, _ in share] for share in theirs])
-    return handle, [b for b in builds if b[0] not in later], [b for b in builds if b[0] in later]
+    return handle, [b for b in forwards if b[0] not in later], [b for b in forwards if b[0] in later]
 
 
 class Helpers:
@@ -204,16 +184,15 @@ class Helpers:
 
 
 def encode_jobs(jobs: list[tuple]) -> str:
-    """`("forward", (T, S))`, `("sample", (S, variant))` and `("hidden_states", n)` jobs as one command-line
-    argument."""
-    return ";".join(f"{kind}:{','.join(map(str, what)) if isinstance(what, tuple) else what}" for kind, what in jobs)
+    """`("forward", (T, S))` and `("hidden_states", n)` jobs as one command-line argument."""
+    return ";".join(f"forward:{what[0]},{what[1]}" if kind == "forward" else f"{kind}:{what}" for kind, what in jobs)
 
 
 def decode_jobs(text: str) -> list[tuple]:
     jobs = []
     for item in text.split(";"):
         kind, what = item.split(":")
-        jobs.append((kind, tuple(int(v) for v in what.split(",")) if kind in ("forward", "sample") else int(what)))
+        jobs.append((kind, tuple(int(v) for v in what.split(",")) if kind == "forward" else int(what)))
     return jobs
 
 

@@ -226,7 +226,7 @@ class ModelRunner:
         donated it cannot write over, so its output would take a new buffer."""
         return jax.device_put(x, self._replicated, may_alias=False)
 
-    def output_specs(self, bucket: tuple[int, int]) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    def _output_specs(self, bucket: tuple[int, int]) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         """The shapes of a (T, S) bucket's logits `[S, V]` f32 and hidden states `[T, H]`."""
         logits = jax.ShapeDtypeStruct((bucket[1], self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
         hidden = jax.ShapeDtypeStruct((bucket[0], self.cfg.hidden_size), self.cfg.dtype, sharding=self._replicated)
@@ -238,7 +238,7 @@ class ModelRunner:
         caches = self.kv_caches if self.kv_caches is not None else kv_cache.specs(
             self.cfg, self.num_pages, self.ecfg.block_size, self.kv_dtype, self._cache_sharding)
         ints, floats, layout = pack(dataclasses.replace(self.dummy_input(*bucket), sampling=None))
-        return layout, (self.params, caches, ints, floats, self.prev_ids, *self.output_specs(bucket))
+        return layout, (self.params, caches, ints, floats, self.prev_ids, *self._output_specs(bucket))
 
     def trace_forward(self, bucket: tuple[int, int]) -> tuple[tuple, jax.stages.Traced]:
         """The forward program of a (T, S) bucket, traced: its key in the compiled programs, and the
@@ -247,7 +247,7 @@ class ModelRunner:
         traced = self._forward.trace(*args, layout=layout)
         _, logits, hidden = traced.out_info
         if (logits.shape, logits.dtype, hidden.shape, hidden.dtype) != tuple(
-                x for spec in self.output_specs(bucket) for x in (spec.shape, spec.dtype)):
+                x for spec in self._output_specs(bucket) for x in (spec.shape, spec.dtype)):
             raise AssertionError(f"forward outputs {logits}, {hidden} differ from the buffers given for them")
         return ("forward", layout), traced
 
@@ -296,7 +296,7 @@ class ModelRunner:
         use (warm-up makes every bucket's) or after a failed step consumed them."""
         logits, hidden = self.logits_buffers.get(bucket[1]), self.hidden_buffers.get(bucket[0])
         if logits is None or hidden is None or logits.is_deleted() or hidden.is_deleted():  # not per step
-            logits, hidden = self._put(tuple(np.zeros(spec.shape, spec.dtype) for spec in self.output_specs(bucket)))
+            logits, hidden = self._put(tuple(np.zeros(spec.shape, spec.dtype) for spec in self._output_specs(bucket)))
             self.logits_buffers[bucket[1]], self.hidden_buffers[bucket[0]] = logits, hidden
         return logits, hidden
 

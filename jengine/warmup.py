@@ -134,24 +134,14 @@ class ProgramBuilder:
         return (("forward", layout), self._key("forward", args, (layout,), opts),
                 functools.partial(lambda b: self.runner.trace_forward(b)[1], bucket), opts)
 
-    def _sampler_build(self, num_seqs: int, variant: SamplerSwitches) -> tuple:
-        """The sampling program of S = `num_seqs` rows in one of its variants, as `_start_builds` takes it."""
-        runner = self.runner
-        s_ints, s_floats, s_layout = self._dummy_sampling(num_seqs, variant)
-        args = (runner.output_specs((num_seqs, num_seqs))[0], s_ints, s_floats, runner.prev_ids)
-        trace = functools.partial(runner.sample_jit.trace, *args, layout=s_layout, **variant._asdict())
-        return ("sample", s_layout, *variant), self._key("sample", args, (s_layout, *variant)), trace, None
-
     def job_build(self, job: tuple) -> tuple:
         """A build helper's job as `_start_builds` takes it, (name, key, trace, compiler options):
-        `("forward", (T, S))`, `("sample", (S, i))` (the sampling program of S rows in `SAMPLER_VARIANTS[i]`),
-        or `("hidden_states", n)` (the embedding program of padded length n, as `pooling.warmup` builds it)."""
+        `("forward", (T, S))`, or `("hidden_states", n)` (the embedding program of padded length n, as
+        `pooling.warmup` builds it)."""
         kind, what = job
         runner = self.runner
         if kind == "forward":
             return self._forward_build(what, *runner.forward_args(what))
-        if kind == "sample":
-            return self._sampler_build(what[0], SAMPLER_VARIANTS[what[1]])
         args, trace = hidden_states_program(runner.cfg, runner.params, what, runner.mesh)
         return (kind, what), self._key("hidden_states", args), trace, None
 
@@ -168,8 +158,8 @@ class ProgramBuilder:
         the forward per (T, S) bucket, sampling per S in each of its variants and prompt logprobs
         per T (their input shapes come from the forwards' outputs), and the page moves.
         A program found in the executable cache is loaded instead, with no tracing, lowering or compile;
-        forwards and sampling programs it lacks are shared with `helpers` build helper processes (default:
-        `build_helpers.helper_count`), which store them there while this thread builds its own share. Helpers also
+        forwards it lacks are shared with `helpers` build helper processes (default: `build_helpers.
+        helper_count`), which store them there while this thread builds its own share. Helpers also
         store the embedding programs of `embedding_lengths` (`jengine serve`'s, which `pooling.warmup`
         then loads); without helpers those are left to it.
         Every step then runs an executable made here; the KV cache is allocated once they are
@@ -184,21 +174,23 @@ class ProgramBuilder:
         # Mosaic GPU kernels most of it). Lowered last instead, their compiles piled up after the
         # forwards': the engine started ~10 s later (RESULTS.md, session 25).
         started = time.perf_counter()
-        forwards, hidden_of, copied = [], {}, set()
+        forwards, logits_of, hidden_of, copied = [], {}, {}, set()
         for bucket in buckets:
             layout, args = runner.forward_args(bucket)
             if self._copied(bucket):
                 copied.add(("forward", layout))
+            logits_of.setdefault(bucket[1], args[-2])
             hidden_of.setdefault(bucket[0], args[-1])
-            forwards.append((("forward", bucket), self._forward_build(bucket, layout, args)))
-        samplers = [(("sample", (s, i)), self._sampler_build(s, variant))
-                    for s in dict.fromkeys(s for _, s in buckets) for i, variant in enumerate(SAMPLER_VARIANTS)]
-        # Helpers take a share of the forwards and sampling programs the cache lacks (tracing and lowering
-        # the 102 sampling programs of the 8B start-up took 31.6 of this thread's 37.9 s on an H200,
-        # RESULTS.md session 45); this thread builds the rest now, and loads the helpers' after.
-        handle, now, later = build_helpers.start(self, forwards + samplers, embedding_lengths, helpers)
-        now_samplers = [b for b in now if b[0][0] == "sample"]
-        now_forwards = [b for b in now if b[0][0] != "sample"]
+            forwards.append(self._forward_build(bucket, layout, args))
+        handle, forwards, later = build_helpers.start(self, buckets, forwards, embedding_lengths, helpers)
+
+        def samplers():
+            for s, logits in logits_of.items():
+                for variant in SAMPLER_VARIANTS:
+                    s_ints, s_floats, s_layout = self._dummy_sampling(s, variant)
+                    args = (logits, s_ints, s_floats, runner.prev_ids)
+                    trace = functools.partial(runner.sample_jit.trace, *args, layout=s_layout, **variant._asdict())
+                    yield ("sample", s_layout, *variant), self._key("sample", args, (s_layout, *variant)), trace, None
 
         def prompt_logprobs():
             for t, hidden in hidden_of.items():
@@ -208,8 +200,7 @@ class ProgramBuilder:
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             try:
-                builds = self._start_builds(itertools.chain(now_samplers, prompt_logprobs(), now_forwards), pool,
-                                            copied)
+                builds = self._start_builds(itertools.chain(samplers(), prompt_logprobs(), forwards), pool, copied)
             except BaseException:
                 if handle is not None:
                     handle.stop()

@@ -61,25 +61,11 @@ def test_memory_room_counts_helpers_that_fit_beside_the_engines_allocator(monkey
     assert build_helpers.memory_room(params, _FakeGpu({})) is None  # no allocator limit: no bound
 
 
-def test_shares_give_the_main_process_an_equal_share_from_the_end():
-    # the main process at most an equal share from the end, the rest to the least loaded helper in turn
-    assert build_helpers.shares(list(range(18)), 3) == [[14, 15, 16, 17], [0, 3, 6, 9, 12], [1, 4, 7, 10, 13],
-                                                        [2, 5, 8, 11]]
-    assert build_helpers.shares(list(range(3)), 2) == [[2], [0], [1]]
+def test_shares_give_the_main_process_half_a_helpers_share():
+    assert build_helpers.shares(list(range(18)), 3) == [[0, 1], [2, 5, 8, 11, 14, 17], [3, 6, 9, 12, 15],
+                                                        [4, 7, 10, 13, 16]]
+    assert build_helpers.shares(list(range(3)), 2) == [[], [0, 2], [1]]
     assert build_helpers.shares([1, 2], 0) == [[1, 2]]
-
-
-def test_shares_balance_the_weights_forwards_first_and_sampling_programs_last():
-    def weight(item):  # forwards weigh 6, sampling programs 1
-        return 6 if item.startswith("F") else 1
-
-    items = [f"F{i}" for i in range(1, 20)] + [f"s{i}" for i in range(1, 103)]  # the 8B start-up's programs
-    got = build_helpers.shares(items, 3, weight)
-    assert [sum(map(weight, share)) for share in got] == [54, 54, 54, 54]  # 216 in all
-    assert got[0] == [f"s{i}" for i in range(49, 103)]  # the main process: sampling programs only
-    assert [sum(i.startswith("F") for i in share) for share in got[1:]] == [7, 6, 6]
-    small = build_helpers.shares(["F1", "F2", "F3"] + [f"s{i}" for i in range(1, 13)], 2, weight)
-    assert small == [[f"s{i}" for i in range(3, 13)], ["F1", "F3"], ["F2", "s1", "s2"]]
 
 
 _SCRIPT = """
@@ -127,17 +113,15 @@ def alone(tmp_path_factory):
 
 def test_a_cold_start_with_helpers_loads_their_forwards_and_generates_the_same(tmp_path, alone):
     with_helpers = _start(tmp_path, 2)
-    # 3 forwards (T 16 / 32 / 64 at S 4, weight 6 each) and 17 sampling programs (S 4, weight 1): the main
-    # process builds 11 sampling programs (at most weight 35 / 3), the helpers the forwards and 6 sampling
-    # programs, which warm-up loads
-    assert with_helpers["finished"] == 2 and with_helpers["hits"] == 9
+    # 3 forwards (T 16 / 32 / 64 at S 4), all three built by the helpers and loaded by warm-up
+    assert with_helpers["finished"] == 2 and with_helpers["hits"] == 3
     assert alone["finished"] == 0 and alone["hits"] == 0
     assert with_helpers["tokens"] == alone["tokens"]
 
 
 def test_helpers_import_the_engines_own_jengine_whatever_the_working_directory(tmp_path, alone):
     decoy = _start(tmp_path, 2, "decoy")
-    assert decoy["finished"] == 2 and decoy["hits"] == 9
+    assert decoy["finished"] == 2 and decoy["hits"] == 3
     assert decoy["tokens"] == alone["tokens"]
 
 
@@ -168,12 +152,6 @@ def test_helpers_also_store_the_servers_embedding_programs(tmp_path):
                          text=True, timeout=600, env=_CHILD_ENV)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    # 3 forwards and 4 embedding programs (padded lengths 16-128; weight 6 each) and 17 sampling programs
-    # (weight 1): warm-up builds the 17 sampling programs (its share: at most weight 59 / 3), the helpers the
-    # forwards and the embedding programs, which the engine and pooling.warmup load
-    assert got == {"hits": 7, "programs": 4, "grammar_compiler": True}
-
-
-def test_jobs_survive_the_command_line():
-    jobs = [("forward", (16, 4)), ("sample", (4, 13)), ("hidden_states", 128)]
-    assert build_helpers.decode_jobs(build_helpers.encode_jobs(jobs)) == jobs
+    # 3 forwards and 4 embedding programs (padded lengths 16-128): warm-up builds one forward (its share,
+    # 7 // 5 programs), the helpers the rest, which the engine and pooling.warmup load
+    assert got == {"hits": 6, "programs": 4, "grammar_compiler": True}
