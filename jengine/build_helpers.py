@@ -8,7 +8,11 @@ shapes (no weights), keys each forward exactly as warm-up does, and traces, lowe
 it (and `jengine serve`'s embedding programs, which `pooling.warmup` then loads). Warm-up builds its own
 share meanwhile, then loads what the helpers stored; a program a helper did not store (it failed, timed
 out, or keyed it differently) is built by the engine as usual, so helpers can only save time, never
-change what runs.
+change what runs. Handing them a share of the sampling programs too (the main thread's 102 of them took
+31.6 of its 37.9 s of lowering) halved that lowering but then left it waiting as long for the helpers, and
+the cold start did not move (H200s, session 46: cold starts 45-58 s against 53-56 s, and 65 against 65 s
+on a slower host). The likely bound is the host's cores (the compile pool and three helpers on 16): the
+main thread lowered each sampling program in 0.46-0.50 s there, 0.31 s with less beside it.
 
 Each helper has its own GPU client, and XLA's autotuner runs every GEMM it compiles on the device, so a
 helper needs device memory outside the engine's allocator (which preallocates 92% of the GPU). On an
