@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import sys
 import tempfile
@@ -69,8 +70,10 @@ def child(args) -> None:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_secs)
     with CompileCounter() as startup_compiles:
+        cpu = _cpu_seconds()
         llm = build_llm(args, compilation_cache_dir=args.cache_dir)
         marks["engine"] = time.time()
+        cpu = [after - before for before, after in zip(cpu, _cpu_seconds())]
         vocab = llm.engine.model_config.vocab_size
         llm.generate([[101, 102, 103, 104]], SamplingParams(max_tokens=1), use_tqdm=False)
         first_token = marks["request"] = time.time()
@@ -91,10 +94,18 @@ def child(args) -> None:
                               "helpers": llm.engine.builder.build_helpers_finished,
                               "helpers_wait_s": llm.engine.builder.build_helpers_wait_seconds,
                               "kv_cache_memory": llm.engine.kv_cache_memory,
+                              "engine_cpu_s": cpu[0], "helpers_cpu_s": cpu[1], "cores": os.cpu_count(),
                               "buckets": llm.engine.num_compiled_buckets, "startup_programs": startup_compiles.count,
                               "startup_cache_hits": startup_compiles.cache_hits,
                               "executable_cache_hits": llm.engine.builder.executable_cache_hits,
                               "compilations_after_warmup": later.count}), flush=True)
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process's threads, and of its waited-for children (the build
+    helpers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
 def run_child(argv: list[str], cache_dir: str, timeout: float) -> dict:
@@ -154,6 +165,10 @@ def main(argv: list[str] | None = None) -> dict:
         kinds = ", ".join(f"{n} {kind} {secs:.1f}" for kind, (secs, n) in row.get("lowering_by_kind", {}).items())
         print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f}"
               f"{f' ({kinds})' if kinds else ''}{helpers}, every program's first run {row['first_runs_s']:.1f})")
+        cores_busy = (row["engine_cpu_s"] + row["helpers_cpu_s"]) / row["engine_s"]
+        print(f"    CPU in the engine constructor: {row['engine_cpu_s']:.0f} s in this process, "
+              f"{row['helpers_cpu_s']:.0f} s in its build helpers: {cores_busy:.1f} of {row['cores']} cores busy "
+              "on average")
     return save_results(args, rows)
 
 

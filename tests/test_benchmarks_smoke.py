@@ -149,6 +149,8 @@ def test_startup_cold_and_warm_cache(tmp_path):
         assert set(row["engine_phases"]) == {"weights", "tokenizer", "compile"}
         assert sum(row["engine_phases"].values()) <= row["engine_startup_s"] + 1e-6
         assert 0 < row["lowering_s"] <= row["engine_phases"]["compile"]
+        # the constructor's CPU time: at most every core all along
+        assert 0 < row["engine_cpu_s"] <= row["cores"] * row["engine_s"] * 1.05 + 0.1 and row["helpers_cpu_s"] >= 0
     # the cold start lowered forwards and sampling programs on warm-up's thread, inside its lowering phase
     kinds = cold["lowering_by_kind"]
     assert kinds["forward"][1] >= 1 and kinds["sample"][1] >= 1
