@@ -89,6 +89,7 @@ def child(args) -> None:
                               "engine_phases": llm.engine.startup_phases,
                               "lowering_s": llm.engine.builder.warmup_lowering_seconds,
                               "lowering_by_kind": llm.engine.builder.lowering_by_kind,
+                              "compiling_by_kind": llm.engine.builder.compiling_by_kind,
                               "first_runs_s": llm.engine.builder.warmup_first_runs_seconds,
                               "helpers_started": llm.engine.builder.build_helpers_started,
                               "helpers": llm.engine.builder.build_helpers_finished,
@@ -166,6 +167,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f}"
               f"{f' ({kinds})' if kinds else ''}{helpers}, every program's first run {row['first_runs_s']:.1f})")
         cores_busy = (row["engine_cpu_s"] + row["helpers_cpu_s"]) / row["engine_s"]
+        compiles = ", ".join(f"{n} {kind} {secs:.0f}" for kind, (secs, n) in row.get("compiling_by_kind", {}).items())
+        if compiles:
+            print(f"    the compile pool's threads (wall seconds): {compiles}")
         print(f"    CPU in the engine constructor: {row['engine_cpu_s']:.0f} s in this process, "
               f"{row['helpers_cpu_s']:.0f} s in its build helpers: {cores_busy:.1f} of {row['cores']} cores busy "
               "on average")
