@@ -52,8 +52,8 @@ class ProgramBuilder:
         self.warmup_lowering_seconds = 0.0  # warm-up's time tracing and lowering (one thread), for reports
         # this thread's tracing and lowering per kind of program ("forward", "sample", ...): [seconds, programs]
         self.lowering_by_kind: dict[str, list] = {}
-        # the compile pool's seconds per kind (each compile's wall time in its thread, so more than the CPU
-        # it used where the host is short of cores): [seconds, programs]
+        # the compile pool's seconds per kind: each compile's wall time in its thread (not its CPU time: a
+        # compile may wait for a core, or use several), [seconds, programs]
         self.compiling_by_kind: dict[str, list] = {}
         self._compiling_lock = threading.Lock()
         self.warmup_first_runs_seconds = 0.0  # warm-up's time running every program once, for reports
