@@ -26,6 +26,7 @@ from jengine.engine_config import EngineConfig
 from jengine.executable_cache import stores_loaded_executables
 from jengine.models import get_model_family
 from jengine.sampler import compute_logprobs, sample
+from jengine.sampling_params import MAX_LOGPROBS
 from jengine.sampling_tables import (
     SMALL_TOP_K,
     WIDE_TOP_K,
@@ -129,8 +130,10 @@ _FILTERS = ((False, False, False, 0, False), (False, False, True, 0, False), (Fa
             (True, True, True, SMALL_TOP_K, True), (True, True, True, WIDE_TOP_K, True))
 # (filter_k, filter_p, random, k_bound, small_p) above; then the three programs of guided batches
 # (structured outputs, `guided_switches`): greedy, and the general one without filters and with both
-SAMPLER_VARIANTS = tuple(SamplerSwitches(k, p, r, top, bound, small_p) for k, p, r, bound, small_p in _FILTERS
-                         for top in (False, True)) + tuple(
+# Top logprobs are a program of their own (`_top_logprobs`) except in guided batches, whose raw logprobs are
+# those of the masked logits.
+SAMPLER_VARIANTS = tuple(SamplerSwitches(k, p, r, False, bound, small_p) for k, p, r, bound, small_p in _FILTERS
+                         ) + tuple(
     guided_switches(SamplerSwitches(f, f, r, r)) for f, r in ((False, False), (False, True), (True, True)))
 
 
@@ -146,6 +149,15 @@ def _sample(logits, ints, floats, ids_buffer, *, layout, filter_k: bool, filter_
     # First: jit gives a donated input to the first output of its shape, and `out.next_ids` has this
     # one's when S is the largest bucket.
     return jax.lax.dynamic_update_slice(ids_buffer, out.next_ids, (0,)), out
+
+
+def _top_logprobs(logits, next_ids):
+    """The sampled tokens' raw logprobs and ranks and each row's top MAX_LOGPROBS, as `compute_logprobs`
+    gives them: a small program of its own per S, launched after the sampling program on the steps where a
+    row asks for logprobs. So the sampling variants have no top-logprobs twins: 10 programs per S, not 17
+    (each sampling program is ~0.3 s of a cold start's one-thread lowering on an H200 host and 1-5 s of
+    compile; RESULTS.md, sessions 45-46)."""
+    return compute_logprobs(logits, next_ids, MAX_LOGPROBS)
 
 
 class ModelRunner:
@@ -213,6 +225,7 @@ class ModelRunner:
         self.sample_jit = jax.jit(functools.partial(_sample), donate_argnums=(3,),
                                   static_argnames=("layout", *SamplerSwitches._fields), **smp)
         self.prompt_logprobs_jit = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
+        self.top_logprobs_jit = jax.jit(functools.partial(_top_logprobs), **smp)
         self.compiled: dict[tuple, jax.stages.Compiled] = {}  # filled at warm-up (`ProgramBuilder`), in parallel
 
     def allocate_kv_cache(self) -> None:
@@ -284,8 +297,14 @@ class ModelRunner:
         """`execute`'s second half: the sampling program (and prompt logprobs) over a launched forward."""
         logits, hidden, prompt_targets = forward
         switches = sampler_switches(sampling, self.cfg.vocab_size)
+        separate = switches.top_logprobs and not switches.guided  # top logprobs in `_top_logprobs`
+        if separate:
+            switches = switches._replace(top_logprobs=False)
         s_ints, s_floats, s_layout = pack(program_inputs(sampling, switches))
         self.prev_ids, out = self.program("sample", s_layout, *switches)(logits, s_ints, s_floats, self.prev_ids)
+        if separate:
+            chosen, ranks, top_ids, top_lp = self.program("top_logprobs", logits.shape[0])(logits, out.next_ids)
+            out = out._replace(sampled_logprobs=chosen, sampled_ranks=ranks, topk_ids=top_ids, topk_logprobs=top_lp)
         plp = None
         if prompt_targets is not None:
             plp = self.program("prompt_logprobs", prompt_targets.shape[0])(self.params, hidden, prompt_targets)
@@ -311,7 +330,7 @@ class ModelRunner:
         if kind == "sample":
             layout, *switches = key
             return functools.partial(self.sample_jit, layout=layout, **SamplerSwitches(*switches)._asdict())
-        return self.prompt_logprobs_jit
+        return self.top_logprobs_jit if kind == "top_logprobs" else self.prompt_logprobs_jit
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
         """A padding-only StepInput of the given bucket (writes nothing, reads nothing)."""

@@ -18,6 +18,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -172,8 +173,8 @@ class ProgramBuilder:
     def warmup(self, progress: bool = True, workers: int | None = None, helpers: int | None = None,
                embedding_lengths: tuple[int, ...] = ()) -> int:
         """Compile every program before serving, `workers` at a time (XLA compiles without the GIL):
-        the forward per (T, S) bucket, sampling per S in each of its variants and prompt logprobs
-        per T (their input shapes come from the forwards' outputs), and the page moves.
+        the forward per (T, S) bucket, sampling per S in each of its variants and its top logprobs, prompt
+        logprobs per T (their input shapes come from the forwards' outputs), and the page moves.
         A program found in the executable cache is loaded instead, with no tracing, lowering or compile;
         forwards it lacks are shared with `helpers` build helper processes (default: `build_helpers.
         helper_count`), which store them there while this thread builds its own share. Helpers also
@@ -208,6 +209,9 @@ class ProgramBuilder:
                     args = (logits, s_ints, s_floats, runner.prev_ids)
                     trace = functools.partial(runner.sample_jit.trace, *args, layout=s_layout, **variant._asdict())
                     yield ("sample", s_layout, *variant), self._key("sample", args, (s_layout, *variant)), trace, None
+                args = (logits, jax.ShapeDtypeStruct((s,), jnp.int32, sharding=logits.sharding))
+                trace = functools.partial(runner.top_logprobs_jit.trace, *args)
+                yield ("top_logprobs", s), self._key("top_logprobs", args), trace, None
 
         def prompt_logprobs():
             for t, hidden in hidden_of.items():
@@ -267,10 +271,10 @@ class ProgramBuilder:
     def _run_every_program(self, buckets: list[tuple[int, int]]) -> None:
         """Run every program of `buckets` once, on padding-only inputs (which read and write no page):
         each bucket's forward (every copy of a copied one) with prompt logprobs once per T, and every
-        sampler variant per S. An executable's first run costs the host tens of ms (XLA records and
-        instantiates its CUDA graphs); run here, that is start-up time instead of a stall at the first
-        step of each bucket (on an H200 the throughput run lost ~0.1 s to them, RESULTS.md session 23).
-        Also checks that the executables run."""
+        sampler variant and the top-logprobs program per S. An executable's first run costs the host tens
+        of ms (XLA records and instantiates its CUDA graphs); run here, that is start-up time instead of a
+        stall at the first step of each bucket (on an H200 the throughput run lost ~0.1 s to them, RESULTS.md
+        session 23). Also checks that the executables run."""
         runner = self.runner
         started = time.perf_counter()
         with_logprobs = set()
@@ -284,6 +288,8 @@ class ProgramBuilder:
                 s_ints, s_floats, s_layout = self._dummy_sampling(num_seqs, variant)
                 runner.prev_ids, _ = runner.program("sample", s_layout, *variant)(
                     runner.logits_buffers[num_seqs], s_ints, s_floats, runner.prev_ids)
+            runner.program("top_logprobs", num_seqs)(runner.logits_buffers[num_seqs],
+                                                     runner._put(np.zeros(num_seqs, np.int32)))
         jax.block_until_ready(runner.prev_ids)
         self.warmup_first_runs_seconds = time.perf_counter() - started
 

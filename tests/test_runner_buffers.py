@@ -46,7 +46,7 @@ def test_warmup_runs_every_program_it_made(llm, monkeypatch):
         self, kind, *key))
     llm.engine.builder._run_every_program(runner.buckets())
     assert set(ran) == set(runner.compiled)
-    assert {k[0] for k in ran} == {"forward", "sample", "prompt_logprobs"}
+    assert {k[0] for k in ran} == {"forward", "sample", "top_logprobs", "prompt_logprobs"}
 
 
 def test_steps_leave_every_buffer_where_the_last_run_left_it(llm):
@@ -130,3 +130,29 @@ def test_prompt_logprobs_in_chunks_equal_one_pass(monkeypatch, num_tokens):
     for got, want in zip(chunked, whole, strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_logprobs_batch_takes_its_top_logprobs_from_their_own_program_with_the_fused_results(llm):
+    """Outside guided batches, top logprobs are a program of their own after the sampling program (so the
+    sampling variants have no top-logprobs twins): its sampled logprobs, ranks and top ids and logprobs
+    are those of the sampling program that computes them itself."""
+    import jax
+    import numpy as np
+
+    from jengine.runner import SAMPLER_VARIANTS
+    from jengine.sampler import sample
+    from jengine.sampling_tables import SamplingRow, build_sampling_tensors, sampler_switches
+
+    runner = llm.engine.runner
+    assert not any(v.top_logprobs for v in SAMPLER_VARIANTS if not v.guided)
+    vocab, rows = runner.cfg.vocab_size, 4
+    logits = jax.numpy.asarray(np.random.default_rng(0).standard_normal((rows, vocab)).astype(np.float32))
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.9, top_p=0.8, seed=1),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, seed=2, logprobs=5)]
+    tensors = build_sampling_tensors([SamplingRow(p, [1, 2], []) for p in params], rows, vocab)
+    switches = sampler_switches(tensors, vocab)
+    assert switches.top_logprobs and not switches.guided
+    out, _ = runner.launch_sample((logits, None, None), tensors)
+    fused = jax.jit(sample, static_argnames=switches._fields)(logits, tensors, **switches._asdict())
+    for got, want in zip(out, fused):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
