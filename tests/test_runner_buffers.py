@@ -154,5 +154,7 @@ def test_a_logprobs_batch_takes_its_top_logprobs_from_their_own_program_with_the
     assert switches.top_logprobs and not switches.guided
     out, _ = runner.launch_sample((logits, None, None), tensors)
     fused = jax.jit(sample, static_argnames=switches._fields)(logits, tensors, **switches._asdict())
+    tol = 0.0 if jax.default_backend() == "cpu" else 1e-5  # elsewhere two programs may round differently
     for got, want in zip(out, fused):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol if got.dtype.kind == "f" else 0)
