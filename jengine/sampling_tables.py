@@ -293,7 +293,9 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     look at the SMALL_TOP_K chunks with the largest maxima only (`kth_largest_key`). `small_p`: also no
     row filters top-p without top-k (HF-style top_k=50 with or without top_p), so every nucleus lies
     among those candidates and the top-p select needs no pass of 16 over [S, V]; such a batch with some
-    k in (SMALL_TOP_K, WIDE_TOP_K] takes WIDE_TOP_K candidates."""
+    k in (SMALL_TOP_K, WIDE_TOP_K] takes WIDE_TOP_K candidates. `top_logprobs`: some row asks for logprobs
+    (outside guided batches the runner then computes them in a program of their own after the sampling
+    program, `runner._top_logprobs`, and runs the sampling program without them)."""
     k = np.asarray(t.top_k)
     top_p = np.asarray(t.top_p)
     filter_k = bool(np.any(k < vocab_size))
