@@ -286,10 +286,9 @@ class ProgramBuilder:
         for num_seqs in sorted({s for _, s in buckets}):
             for variant in SAMPLER_VARIANTS:
                 s_ints, s_floats, s_layout = self._dummy_sampling(num_seqs, variant)
-                runner.prev_ids, _ = runner.program("sample", s_layout, *variant)(
+                runner.prev_ids, out = runner.program("sample", s_layout, *variant)(
                     runner.logits_buffers[num_seqs], s_ints, s_floats, runner.prev_ids)
-            runner.program("top_logprobs", num_seqs)(runner.logits_buffers[num_seqs],
-                                                     runner._put(np.zeros(num_seqs, np.int32)))
+            runner.program("top_logprobs", num_seqs)(runner.logits_buffers[num_seqs], out.next_ids)
         jax.block_until_ready(runner.prev_ids)
         self.warmup_first_runs_seconds = time.perf_counter() - started
 
