@@ -59,6 +59,7 @@ def child(args) -> None:
     """One measured process: engine, first token, then the randomised workload under the compile counter."""
     marks = {"entry": time.time()}  # interpreter start and this script's imports end here
     import jax
+    from compile_probe import timed_compiles
 
     import jengine.llm  # noqa: F401  (the engine's imports; jengine sets its XLA flags at import)
     from jengine import SamplingParams
@@ -71,9 +72,15 @@ def child(args) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_secs)
     with CompileCounter() as startup_compiles:
         cpu = _cpu_seconds()
-        llm = build_llm(args, compilation_cache_dir=args.cache_dir)
+        with timed_compiles() as compiles:
+            llm = build_llm(args, compilation_cache_dir=args.cache_dir)
         marks["engine"] = time.time()
         cpu = [after - before for before, after in zip(cpu, _cpu_seconds())]
+        compiling_by_program = {}  # program name: [seconds of its compiles in their threads, compiles]
+        for name, start, end in compiles:
+            spent = compiling_by_program.setdefault(name, [0.0, 0])
+            spent[0] += end - start
+            spent[1] += 1
         vocab = llm.engine.model_config.vocab_size
         llm.generate([[101, 102, 103, 104]], SamplingParams(max_tokens=1), use_tqdm=False)
         first_token = marks["request"] = time.time()
@@ -89,7 +96,7 @@ def child(args) -> None:
                               "engine_phases": llm.engine.startup_phases,
                               "lowering_s": llm.engine.builder.warmup_lowering_seconds,
                               "lowering_by_kind": llm.engine.builder.lowering_by_kind,
-                              "compiling_by_kind": llm.engine.builder.compiling_by_kind,
+                              "compiling_by_program": compiling_by_program,
                               "first_runs_s": llm.engine.builder.warmup_first_runs_seconds,
                               "helpers_started": llm.engine.builder.build_helpers_started,
                               "helpers": llm.engine.builder.build_helpers_finished,
@@ -167,9 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f}"
               f"{f' ({kinds})' if kinds else ''}{helpers}, every program's first run {row['first_runs_s']:.1f})")
         cores_busy = (row["engine_cpu_s"] + row["helpers_cpu_s"]) / row["engine_s"]
-        compiles = ", ".join(f"{n} {kind} {secs:.0f}" for kind, (secs, n) in row.get("compiling_by_kind", {}).items())
+        compiles = ", ".join(f"{n} {name} {secs:.0f}" for name, (secs, n) in row["compiling_by_program"].items())
         if compiles:
-            print(f"    the compile pool's threads (wall seconds): {compiles}")
+            print(f"    XLA compiles, wall seconds in their threads: {compiles}")
         print(f"    CPU in the engine constructor: {row['engine_cpu_s']:.0f} s in this process, "
               f"{row['helpers_cpu_s']:.0f} s in its build helpers: {cores_busy:.1f} of {row['cores']} cores busy "
               "on average")

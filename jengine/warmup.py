@@ -14,11 +14,9 @@ import functools
 import itertools
 import logging
 import os
-import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -53,10 +51,6 @@ class ProgramBuilder:
         self.warmup_lowering_seconds = 0.0  # warm-up's time tracing and lowering (one thread), for reports
         # this thread's tracing and lowering per kind of program ("forward", "sample", ...): [seconds, programs]
         self.lowering_by_kind: dict[str, list] = {}
-        # the compile pool's seconds per kind: each compile's wall time in its thread (not its CPU time: a
-        # compile may wait for a core, or use several), [seconds, programs]
-        self.compiling_by_kind: dict[str, list] = {}
-        self._compiling_lock = threading.Lock()
         self.warmup_first_runs_seconds = 0.0  # warm-up's time running every program once, for reports
         self.build_helpers_started = 0  # build helper processes warm-up started
         self.build_helpers_finished = 0  # of those, how many finished cleanly
@@ -95,7 +89,7 @@ class ProgramBuilder:
                 others = [pool.submit(cache.load, key) for _ in range(copies)]
             else:
                 lowered = self._lower(name[0], trace)
-                job, others = pool.submit(self._timed_compile, name[0], lowered, opts, key), [None] * copies
+                job, others = pool.submit(self._compile_lowered, lowered, opts, key), [None] * copies
             builds.append((name, key, trace, opts, stored, job, others))
         return builds
 
@@ -120,18 +114,6 @@ class ProgramBuilder:
                 compiled = self._compile_lowered(trace().lower(), opts, key)
             yield name, compiled, [pool.submit(reload, compiled) if f is None or f.result() is None else f
                                    for f in others]
-
-    def _timed_compile(self, kind: str, lowered: jax.stages.Lowered, compiler_options: dict | None,
-                       key: str | None):
-        """`_compile_lowered` in a pool thread, its time counted under `kind` in `compiling_by_kind`."""
-        started = time.perf_counter()
-        try:
-            return self._compile_lowered(lowered, compiler_options, key)
-        finally:
-            with self._compiling_lock:
-                spent = self.compiling_by_kind.setdefault(kind, [0.0, 0])
-                spent[0] += time.perf_counter() - started
-                spent[1] += 1
 
     def _compile_lowered(self, lowered: jax.stages.Lowered, compiler_options: dict | None, key: str | None):
         cache = self.executable_cache
@@ -209,7 +191,7 @@ class ProgramBuilder:
                     args = (logits, s_ints, s_floats, runner.prev_ids)
                     trace = functools.partial(runner.sample_jit.trace, *args, layout=s_layout, **variant._asdict())
                     yield ("sample", s_layout, *variant), self._key("sample", args, (s_layout, *variant)), trace, None
-                args = (logits, jax.ShapeDtypeStruct((s,), jnp.int32, sharding=logits.sharding))
+                args = (logits, jax.ShapeDtypeStruct((s,), np.int32, sharding=logits.sharding))
                 trace = functools.partial(runner.top_logprobs_jit.trace, *args)
                 yield ("top_logprobs", s), self._key("top_logprobs", args), trace, None
 
