@@ -37,8 +37,9 @@ def children_share_the_device(monkeypatch):
 
 
 def _run_apart(name: str, argv: list[str], tmp_path) -> dict:
-    """`_run` in a process of its own: for benchmarks that time with CUPTI, which JAX's Mosaic GPU profiler
-    takes; after this process's traces (latency --trace, profile_step) it aborted the process on an H200."""
+    """`_run` in a process of its own: for benchmarks that time with CUPTI (JAX's Mosaic GPU profiler). In this
+    file's process on an H200 it aborted the process, likely because the earlier traces (latency --trace,
+    profile_step) had used CUPTI there (RESULTS.md, session 47)."""
     import subprocess
 
     out = tmp_path / f"{name}.json"
