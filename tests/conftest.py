@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import openai
 import pytest
 from test_server_harness import API_KEY, Server
 
@@ -17,4 +16,6 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai  # here, not at the top: the GPU hosts that run the GPU test files lack it
+
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
