@@ -25,14 +25,13 @@ from jengine.config import ModelConfig
 from jengine.engine_config import EngineConfig
 from jengine.executable_cache import stores_loaded_executables
 from jengine.models import get_model_family
-from jengine.sampler import compute_logprobs, sample
+from jengine.sampler import apply_token_bitmask, compute_logprobs, sample
 from jengine.sampling_params import MAX_LOGPROBS
 from jengine.sampling_tables import (
     SMALL_TOP_K,
     WIDE_TOP_K,
     SamplerSwitches,
     build_sampling_tensors,
-    guided_switches,
     program_inputs,
     sampler_switches,
 )
@@ -121,31 +120,27 @@ def _forward(params, kv_caches, ints, floats, prev_ids, logits_buffer, hidden_bu
     return kv_caches, family.compute_logits(params, cfg, hidden[inp.logits_indices]), hidden
 
 
-# (filter_k, filter_p, random, top_logprobs, k_bound, small_p) a batch can need: the filters only come
+# (filter_k, filter_p, random, k_bound, small_p) a batch can need: the filters only come
 # with the general (random) program, which greedy batches with logit_bias or penalties also take, and
 # top-k only with top-p: with any k; every k <= SMALL_TOP_K, with or without a top-p-only row; every k <=
 # WIDE_TOP_K without one (`sampler_switches`).
 _FILTERS = ((False, False, False, 0, False), (False, False, True, 0, False), (False, True, True, 0, False),
             (True, True, True, 0, False), (True, True, True, SMALL_TOP_K, False),
             (True, True, True, SMALL_TOP_K, True), (True, True, True, WIDE_TOP_K, True))
-# (filter_k, filter_p, random, k_bound, small_p) above; then the three programs of guided batches
-# (structured outputs, `guided_switches`): greedy, and the general one without filters and with both
-# Top logprobs are a program of their own (`_top_logprobs`) except in guided batches, whose raw logprobs are
-# those of the masked logits.
-SAMPLER_VARIANTS = tuple(SamplerSwitches(k, p, r, False, bound, small_p) for k, p, r, bound, small_p in _FILTERS
-                         ) + tuple(
-    guided_switches(SamplerSwitches(f, f, r, r)) for f, r in ((False, False), (False, True), (True, True)))
+# Top logprobs are a program of their own (`_top_logprobs`), and so is structured outputs' masking of the logits
+# (`_mask_logits`): the sampling variants have no twins with either.
+SAMPLER_VARIANTS = tuple(SamplerSwitches(k, p, r, False, bound, small_p) for k, p, r, bound, small_p in _FILTERS)
 
 
 def _sample(logits, ints, floats, ids_buffer, *, layout, filter_k: bool, filter_p: bool, random: bool,
-            top_logprobs: bool, k_bound: int, small_p: bool, guided: bool):
-    """Sampling as its own program per (S, filter_k, filter_p, random, top_logprobs, k_bound, small_p, guided):
-    the host knows which of top-k and top-p (and which select), the general program (random draws, logit_bias,
-    penalties), top logprobs and the token bitmask the batch needs, so no data-dependent branch is needed.
+            top_logprobs: bool, k_bound: int, small_p: bool):
+    """Sampling as its own program per (S, filter_k, filter_p, random, top_logprobs, k_bound, small_p): the
+    host knows which of top-k and top-p (and which select), the general program (random draws, logit_bias,
+    penalties) and top logprobs the batch needs, so no data-dependent branch is needed.
     Also writes the ids into the first rows of the donated `ids_buffer [max_seqs]`, which the next step's
     forward reads as its `prev_ids`."""
     out = sample(logits, unpack(ints, floats, layout), filter_k=filter_k, filter_p=filter_p, random=random,
-                 top_logprobs=top_logprobs, k_bound=k_bound, small_p=small_p, guided=guided)
+                 top_logprobs=top_logprobs, k_bound=k_bound, small_p=small_p)
     # First: jit gives a donated input to the first output of its shape, and `out.next_ids` has this
     # one's when S is the largest bucket.
     return jax.lax.dynamic_update_slice(ids_buffer, out.next_ids, (0,)), out
@@ -154,10 +149,20 @@ def _sample(logits, ints, floats, ids_buffer, *, layout, filter_k: bool, filter_
 def _top_logprobs(logits, next_ids):
     """The sampled tokens' raw logprobs and ranks and each row's top MAX_LOGPROBS, as `compute_logprobs`
     gives them: a small program of its own per S, launched after the sampling program on the steps where a
-    row asks for logprobs. So the sampling variants have no top-logprobs twins: 10 programs per S, not 17
-    (each sampling program is ~0.3 s of a cold start's one-thread lowering on an H200 host and 1-5 s of
-    compile; RESULTS.md, sessions 45-46)."""
+    row asks for logprobs. So the sampling variants have no top-logprobs twins (17 programs per S before it;
+    each sampling program is ~0.37 s of a cold start's one-thread lowering on an H200 host and ~5 s of
+    compile; the 8B's cold start 57-62 -> 47-51 s, RESULTS.md sessions 46-47)."""
     return compute_logprobs(logits, next_ids, MAX_LOGPROBS)
+
+
+def _mask_logits(logits, bitmask):
+    """Structured outputs: the logits `[S, V]` with the tokens each row's bitmask `[S, ceil(V / 32)]` does not
+    allow at -inf, written over the donated logits (which keep their buffer). A small program of its own per
+    S, launched before the sampling program on the steps where a row is guided, so that guided batches take
+    the sampling variants unguided ones do (they had three programs of their own per S, each ~0.3 s of a cold
+    start's one-thread lowering on an H200 host and ~5 s of compile, RESULTS.md sessions 46-47); what follows
+    sees the masked logits, raw logprobs included, as in vLLM."""
+    return apply_token_bitmask(logits, bitmask)
 
 
 class ModelRunner:
@@ -226,6 +231,7 @@ class ModelRunner:
                                   static_argnames=("layout", *SamplerSwitches._fields), **smp)
         self.prompt_logprobs_jit = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg), **plp)
         self.top_logprobs_jit = jax.jit(functools.partial(_top_logprobs), **smp)
+        self.mask_jit = jax.jit(functools.partial(_mask_logits), donate_argnums=(0,), **smp)
         self.compiled: dict[tuple, jax.stages.Compiled] = {}  # filled at warm-up (`ProgramBuilder`), in parallel
 
     def allocate_kv_cache(self) -> None:
@@ -294,10 +300,14 @@ class ModelRunner:
         return logits, hidden, inp.prompt_targets if prompt_logprobs else None
 
     def launch_sample(self, forward: tuple, sampling):
-        """`execute`'s second half: the sampling program (and prompt logprobs) over a launched forward."""
+        """`execute`'s second half: the sampling program (and prompt logprobs) over a launched forward; on a
+        guided step the masking program before it, and on a logprobs step the top-logprobs program after."""
         logits, hidden, prompt_targets = forward
+        bitmask = np.asarray(sampling.token_bitmask)
+        if bitmask.shape[1]:  # structured outputs
+            logits = self.mask_logits(logits, bitmask)
         switches = sampler_switches(sampling, self.cfg.vocab_size)
-        separate = switches.top_logprobs and not switches.guided  # top logprobs in `_top_logprobs`
+        separate = switches.top_logprobs  # top logprobs in `_top_logprobs`
         if separate:
             switches = switches._replace(top_logprobs=False)
         s_ints, s_floats, s_layout = pack(program_inputs(sampling, switches))
@@ -309,6 +319,13 @@ class ModelRunner:
         if prompt_targets is not None:
             plp = self.program("prompt_logprobs", prompt_targets.shape[0])(self.params, hidden, prompt_targets)
         return out, plp
+
+    def mask_logits(self, logits: jax.Array, bitmask: np.ndarray) -> jax.Array:
+        """Launch the masking program (`_mask_logits`) over a step's logits `[S, V]` (donated: this S's logits
+        buffer) with the numpy token bitmask `[S, ceil(V / 32)]`; the masked logits are the buffer again."""
+        masked = self.program("mask", logits.shape[0])(logits, self._put(bitmask))
+        self.logits_buffers[logits.shape[0]] = masked
+        return masked
 
     def output_buffers(self, bucket: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
         """The buffers a (T, S) bucket's forward writes its logits and hidden states over, made on first
@@ -330,7 +347,7 @@ class ModelRunner:
         if kind == "sample":
             layout, *switches = key
             return functools.partial(self.sample_jit, layout=layout, **SamplerSwitches(*switches)._asdict())
-        return self.top_logprobs_jit if kind == "top_logprobs" else self.prompt_logprobs_jit
+        return {"top_logprobs": self.top_logprobs_jit, "mask": self.mask_jit}.get(kind, self.prompt_logprobs_jit)
 
     def dummy_input(self, num_tokens: int, num_seqs: int) -> StepInput:
         """A padding-only StepInput of the given bucket (writes nothing, reads nothing)."""

@@ -1,8 +1,9 @@
 """On-device sampling with vLLM's semantics, one fixed-shape program for every mix of options.
 
 The host builds the inputs, a fixed-shape `SamplingTensors` pytree per step, and picks the program's
-switches (`jengine.sampling_tables`). `sample(logits[S, V], tensors)` applies, in vLLM's order,
-    [structured outputs: the token bitmask] ->
+switches (`jengine.sampling_tables`). Structured outputs' token bitmask is applied first, to the logits
+themselves, by a program of its own (`apply_token_bitmask`, run by `runner.ModelRunner` on guided steps only);
+`sample(logits[S, V], tensors)` then applies, in vLLM's order,
     allowed_token_ids, bad words, logit_bias, min_tokens suppression of stop ids (all one bias table)
     -> repetition/presence/frequency penalties
     -> [greedy rows: argmax] -> temperature -> min_p -> top_k -> top_p -> categorical draw,
@@ -82,9 +83,10 @@ def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return logits.at[_rows(S), ids].set(new, mode="drop")
 
 
-def _apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     """-inf where a row's bitmask `[S, ceil(V / 32)]` int32 does not allow the token (bit j of word w is
-    token 32 w + j)."""
+    token 32 w + j). Structured outputs mask the model's logits before everything else, raw logprobs
+    included (as vLLM does, unlike logit_bias and allowed_token_ids, which leave raw logprobs alone)."""
     S, V = logits.shape
     bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
     allowed = bits.reshape(S, -1)[:, :V] != 0  # [S, V]
@@ -147,22 +149,18 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
 
 def process_logits(logits: jax.Array, t: SamplingTensors, *, filter_k: bool = True, filter_p: bool = True,
                    k_bound: int = 0, small_p: bool = False, adjust: bool = True,
-                   temper: bool = True, guided: bool = False) -> jax.Array:
+                   temper: bool = True) -> jax.Array:
     """logits [S, V] -> the distribution each row samples from [S, V] (masked tokens are -inf).
 
     Static choices of a caller that knows the batch (so the program has no data-dependent branch):
     `filter_k=False` / `filter_p=False` skip top-k / top-p (no row uses it), `adjust=False` the bias table and the
     penalties (no row has any), `temper=False` temperature and min_p (every row greedy, and only the
-    argmax of the result is used: neither moves a row's largest logit), `guided=False` the token bitmask
-    (no row has structured outputs; applied first, as a row's allowed set, like logit_bias it leaves raw
-    logprobs alone).
+    argmax of the result is used: neither moves a row's largest logit).
 
     For greedy rows (temperature 1, filters off) this is the biased, penalised logits, whose argmax is
     the greedy token; filters always keep the max token, so argmax of the result is that token anyway.
     """
     logits = logits.astype(jnp.float32)
-    if guided:
-        logits = _apply_token_bitmask(logits, t.token_bitmask)
     if adjust:
         logits = _apply_penalties(_apply_bias_table(logits, t), t)
     if temper:
@@ -220,7 +218,6 @@ def sample(
     k_bound: int = 0,
     small_p: bool = False,
     logprobs_mode: str = "raw_logprobs",
-    guided: bool = False,
 ) -> SamplerOutput:
     """Sample one token per row of logits [S, V] under each row's options. Jit with the keyword
     arguments static; the tensors' values never cause a recompilation. The host, which knows the
@@ -235,13 +232,10 @@ def sample(
     an argmax and a log-sum-exp of the logits),
     `top_logprobs=False` when no row asks for logprobs (no top-20 over [S, V]: 0.11 ms at S=256 on an
     H200, 0.05 at S=8, and no rank; the top ids are then -1, their logprobs -inf
-    and the ranks 0), `guided=False` when no row has a token bitmask (structured outputs; with one, raw logprobs
-    are those of the masked logits, as in vLLM, where the grammar masks the logits before the sampler)."""
+    and the ranks 0). Structured outputs' bitmask is applied to `logits` before (`apply_token_bitmask`)."""
     if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
         raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {logprobs_mode!r}")
     assert logits.shape[0] == t.temperature.shape[0], (logits.shape, t.temperature.shape)
-    if guided:  # before everything, raw logprobs included: vLLM masks the model's logits before its sampler
-        logits = _apply_token_bitmask(logits, t.token_bitmask)
     processed = process_logits(logits, t, filter_k=filter_k, filter_p=filter_p, k_bound=k_bound, small_p=small_p,
                                adjust=random,
                                temper=random or logprobs_mode == "processed_logprobs")  # [S, V]

@@ -63,7 +63,8 @@ class SamplingTensors:
     rng_step: jax.Array  # [S] uint32; number of tokens the request has generated so far
     wants_logprobs: jax.Array  # [S] bool; the request asked for logprobs (decides `sampler_switches`)
     # [S, ceil(V / 32)] int32, bit j of word w allows token 32 w + j (structured outputs; unguided rows all
-    # ones); [S, 0] when no row is guided
+    # ones); [S, 0] when no row is guided. Not a sampling program's input: the runner masks the logits with it
+    # in a program of its own before sampling (`program_inputs` leaves it out)
     token_bitmask: jax.Array
 
 
@@ -276,8 +277,6 @@ class SamplerSwitches(NamedTuple):
     k_bound: int = 0
     # with k_bound: every top-p row is also a top-k row, so top-p looks at the k_bound candidates only
     small_p: bool = False
-    # some row is guided (structured outputs): tokens its `token_bitmask` row does not allow are masked
-    guided: bool = False
 
 
 def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
@@ -294,8 +293,9 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
     row filters top-p without top-k (HF-style top_k=50 with or without top_p), so every nucleus lies
     among those candidates and the top-p select needs no pass of 16 over [S, V]; such a batch with some
     k in (SMALL_TOP_K, WIDE_TOP_K] takes WIDE_TOP_K candidates. `top_logprobs`: some row asks for logprobs
-    (outside guided batches the runner then computes them in a program of their own after the sampling
-    program, `runner._top_logprobs`, and runs the sampling program without them)."""
+    (the runner computes them in a program of their own after the sampling program, `runner._top_logprobs`,
+    and runs the sampling program without them). A token bitmask (structured outputs) changes nothing here:
+    the runner masks a guided batch's logits before the sampling program (`runner._mask_logits`)."""
     k = np.asarray(t.top_k)
     top_p = np.asarray(t.top_p)
     filter_k = bool(np.any(k < vocab_size))
@@ -314,21 +314,7 @@ def sampler_switches(t: SamplingTensors, vocab_size: int) -> SamplerSwitches:
         or np.any(np.asarray(t.repetition_penalty) != 1.0)
         or np.any(np.asarray(t.presence_penalty) != 0.0) or np.any(np.asarray(t.frequency_penalty) != 0.0))
     random = filter_p or adjust or not bool(np.all(t.greedy))
-    switches = SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)), k_bound, small_p)
-    return guided_switches(switches) if np.asarray(t.token_bitmask).shape[1] else switches
-
-
-def guided_switches(switches: SamplerSwitches) -> SamplerSwitches:
-    """The program of a guided batch that does what `switches` asks. A batch of greedy rows without logprobs (or
-    anything else of the general program) takes an argmax of the masked logits; every other guided batch takes
-    the general program with top logprobs, with no filter or with both selects in their general form. So guided
-    batches add three programs per S, not one per variant (guided steps wait for the previous step's tokens
-    anyway). The greedy one spares such steps the bias and penalty tables (2.7 MB a step at S=256 to pack and
-    send), the random draws and the top logprobs."""
-    if not (switches.random or switches.top_logprobs):
-        return switches._replace(guided=True)
-    filters = switches.filter_k or switches.filter_p
-    return SamplerSwitches(filter_k=filters, filter_p=filters, random=True, top_logprobs=True, guided=True)
+    return SamplerSwitches(filter_k, filter_p, random, bool(np.any(t.wants_logprobs)), k_bound, small_p)
 
 
 # The tables only the general (`random`) program reads: at S=256 they are ~2.7 MB a step to pack and copy.
@@ -336,9 +322,12 @@ _ADJUST_TABLES = ("penalty_ids", "penalty_output_counts", "bias_ids", "bias_valu
 
 
 def program_inputs(t: SamplingTensors, switches: SamplerSwitches) -> SamplingTensors:
-    """The numpy tensors the sampling program of `switches` takes: without `random` (which alone applies
-    the bias table and penalties) the bias and penalty tables are left out ([S, 0])."""
-    if switches.random:
+    """The numpy tensors the sampling program of `switches` takes: never the token bitmask (the runner's
+    masking program takes it), and without `random` (which alone applies the bias table and penalties) not
+    the bias and penalty tables either ([S, 0])."""
+    tables = ("token_bitmask",) if switches.random else ("token_bitmask", *_ADJUST_TABLES)
+    left_out = [f for f in tables if np.asarray(getattr(t, f)).shape[1]]
+    if not left_out:  # the usual step: `t` as it is
         return t
     rows = np.asarray(t.temperature).shape[0]
-    return dataclasses.replace(t, **{f: np.zeros((rows, 0), np.asarray(getattr(t, f)).dtype) for f in _ADJUST_TABLES})
+    return dataclasses.replace(t, **{f: np.zeros((rows, 0), np.asarray(getattr(t, f)).dtype) for f in left_out})

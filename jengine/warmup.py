@@ -194,6 +194,9 @@ class ProgramBuilder:
                 args = (logits, jax.ShapeDtypeStruct((s,), np.int32, sharding=logits.sharding))
                 trace = functools.partial(runner.top_logprobs_jit.trace, *args)
                 yield ("top_logprobs", s), self._key("top_logprobs", args), trace, None
+                args = (logits, jax.ShapeDtypeStruct((s, self._bitmask_words()), np.int32, sharding=logits.sharding))
+                trace = functools.partial(runner.mask_jit.trace, *args)
+                yield ("mask", s), self._key("mask", args), trace, None
 
         def prompt_logprobs():
             for t, hidden in hidden_of.items():
@@ -243,20 +246,21 @@ class ProgramBuilder:
         return self.runner.graphs and bucket[0] <= self.runner.max_seqs
 
     def _dummy_sampling(self, num_seqs: int, variant: SamplerSwitches):
-        """Packed sampling inputs `(ints, floats, layout)` of a padding-only batch for a sampler variant (a
-        guided one's with its token bitmask, all ones)."""
-        vocab = self.runner.cfg.vocab_size
-        bitmask = np.full((num_seqs, (vocab + 31) // 32), -1, np.int32) if variant.guided else None
-        tensors = build_sampling_tensors([], num_seqs, vocab, token_bitmask=bitmask)
+        """Packed sampling inputs `(ints, floats, layout)` of a padding-only batch for a sampler variant."""
+        tensors = build_sampling_tensors([], num_seqs, self.runner.cfg.vocab_size)
         return pack(program_inputs(tensors, variant))
+
+    def _bitmask_words(self) -> int:
+        """The width of a structured-output token bitmask: 32 tokens a word."""
+        return (self.runner.cfg.vocab_size + 31) // 32
 
     def _run_every_program(self, buckets: list[tuple[int, int]]) -> None:
         """Run every program of `buckets` once, on padding-only inputs (which read and write no page):
         each bucket's forward (every copy of a copied one) with prompt logprobs once per T, and every
-        sampler variant and the top-logprobs program per S. An executable's first run costs the host tens
-        of ms (XLA records and instantiates its CUDA graphs); run here, that is start-up time instead of a
-        stall at the first step of each bucket (on an H200 the throughput run lost ~0.1 s to them, RESULTS.md
-        session 23). Also checks that the executables run."""
+        sampler variant, the top-logprobs program and the masking program per S. An executable's first run
+        costs the host tens of ms (XLA records and instantiates its CUDA graphs); run here, that is start-up
+        time instead of a stall at the first step of each bucket (on an H200 the throughput run lost ~0.1 s to
+        them, RESULTS.md session 23). Also checks that the executables run."""
         runner = self.runner
         started = time.perf_counter()
         with_logprobs = set()
@@ -271,6 +275,8 @@ class ProgramBuilder:
                 runner.prev_ids, out = runner.program("sample", s_layout, *variant)(
                     runner.logits_buffers[num_seqs], s_ints, s_floats, runner.prev_ids)
             runner.program("top_logprobs", num_seqs)(runner.logits_buffers[num_seqs], out.next_ids)
+            every_token = np.full((num_seqs, self._bitmask_words()), -1, np.int32)
+            runner.mask_logits(runner.logits_buffers[num_seqs], every_token)
         jax.block_until_ready(runner.prev_ids)
         self.warmup_first_runs_seconds = time.perf_counter() - started
 

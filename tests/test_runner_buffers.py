@@ -47,7 +47,7 @@ def test_warmup_runs_every_program_it_made(llm, monkeypatch):
         self, kind, *key))
     llm.engine.builder._run_every_program(runner.buckets())
     assert set(ran) == set(runner.compiled)
-    assert {k[0] for k in ran} == {"forward", "sample", "top_logprobs", "prompt_logprobs"}
+    assert {k[0] for k in ran} == {"forward", "sample", "top_logprobs", "mask", "prompt_logprobs"}
 
 
 def test_steps_leave_every_buffer_where_the_last_run_left_it(llm):
@@ -146,9 +146,9 @@ def test_prompt_logprobs_in_chunks_equal_one_pass(monkeypatch, num_tokens):
 
 
 def test_a_logprobs_batch_takes_its_top_logprobs_from_their_own_program_with_the_fused_results(llm):
-    """Outside guided batches, top logprobs are a program of their own after the sampling program (so the
-    sampling variants have no top-logprobs twins): its sampled logprobs, ranks and top ids and logprobs
-    are those of the sampling program that computes them itself."""
+    """Top logprobs are a program of their own after the sampling program (so the sampling variants have no
+    top-logprobs twins): its sampled logprobs, ranks and top ids and logprobs are those of the sampling
+    program that computes them itself."""
     import jax
     import numpy as np
 
@@ -157,17 +157,54 @@ def test_a_logprobs_batch_takes_its_top_logprobs_from_their_own_program_with_the
     from jengine.sampling_tables import SamplingRow, build_sampling_tensors, sampler_switches
 
     runner = llm.engine.runner
-    assert not any(v.top_logprobs for v in SAMPLER_VARIANTS if not v.guided)
+    assert not any(v.top_logprobs for v in SAMPLER_VARIANTS)
     vocab, rows = runner.cfg.vocab_size, 4
     logits = jax.numpy.asarray(np.random.default_rng(0).standard_normal((rows, vocab)).astype(np.float32))
     params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.9, top_p=0.8, seed=1),
               SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, seed=2, logprobs=5)]
     tensors = build_sampling_tensors([SamplingRow(p, [1, 2], []) for p in params], rows, vocab)
     switches = sampler_switches(tensors, vocab)
-    assert switches.top_logprobs and not switches.guided
+    assert switches.top_logprobs
     out, _ = runner.launch_sample((logits, None, None), tensors)
     fused = jax.jit(sample, static_argnames=switches._fields)(logits, tensors, **switches._asdict())
     tol = 0.0 if jax.default_backend() == "cpu" else 1e-5  # elsewhere two programs may round differently
     for got, want in zip(out, fused):
         got, want = np.asarray(got), np.asarray(want)
         np.testing.assert_allclose(got, want, rtol=0, atol=tol if got.dtype.kind == "f" else 0)
+
+
+def test_a_guided_batch_masks_the_logits_buffer_in_place_then_samples_as_an_unguided_one(llm):
+    """Structured outputs: the runner masks the step's logits (a program of its own, over the donated logits
+    buffer, which keeps its address) and then runs the sampling variant and top-logprobs program an unguided
+    batch of the same options would: the results are those of one program sampling the masked logits."""
+    import jax
+    import numpy as np
+
+    from jengine.sampler import apply_token_bitmask, sample
+    from jengine.sampling_tables import SamplingRow, build_sampling_tensors, program_inputs, sampler_switches
+
+    runner = llm.engine.runner
+    vocab, rows = runner.cfg.vocab_size, 4
+    words = (vocab + 31) // 32
+    rng = np.random.default_rng(1)
+    bitmask = rng.integers(0, 2**32, (3, words), dtype=np.uint64).astype(np.uint32).view(np.int32)  # 3 guided rows
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.9, top_p=0.8, seed=1),
+              SamplingParams(temperature=1.1, top_k=5, seed=2)]
+    tensors = build_sampling_tensors([SamplingRow(p, [1, 2], []) for p in params], rows, vocab, token_bitmask=bitmask)
+    buffer = runner.logits_buffers[rows]
+    address, logits = buffer.unsafe_buffer_pointer(), np.asarray(buffer).copy()
+    out, _ = runner.launch_sample((buffer, None, None), tensors)
+    assert runner.logits_buffers[rows].unsafe_buffer_pointer() == address
+    masked = apply_token_bitmask(jax.numpy.asarray(logits), jax.numpy.asarray(tensors.token_bitmask))
+    np.testing.assert_array_equal(np.asarray(runner.logits_buffers[rows]), np.asarray(masked))
+    switches = sampler_switches(tensors, vocab)
+    assert switches.top_logprobs and switches.filter_k
+    fused = jax.jit(sample, static_argnames=switches._fields)(masked, program_inputs(tensors, switches),
+                                                             **switches._asdict())
+    tol = 0.0 if jax.default_backend() == "cpu" else 1e-5  # elsewhere two programs may round differently
+    for got, want in zip(out, fused):
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol if got.dtype.kind == "f" else 0)
+    allowed = (np.asarray(tensors.token_bitmask)[np.arange(rows)[:, None], np.arange(vocab) // 32]
+               >> (np.arange(vocab) % 32)) & 1
+    assert all(allowed[r, int(t)] for r, t in enumerate(np.asarray(out.next_ids)[:3]))

@@ -1,6 +1,6 @@
-"""The sampler's token bitmask (structured outputs): masked logits equal a numpy reference, greedy and
-random draws land on allowed tokens only, raw logprobs are the masked logits', and guided batches take a program that
-warm-up builds."""
+"""Structured outputs' token bitmask: masked logits equal a numpy reference; sampling the masked logits, greedy and
+random draws land on allowed tokens only and raw logprobs are the masked logits'; a guided batch takes the sampling
+program an unguided batch of the same options takes (the runner masks its logits first, in a program of its own)."""
 
 import dataclasses
 
@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 
 from jengine.runner import SAMPLER_VARIANTS
-from jengine.sampler import process_logits, sample
+from jengine.sampler import apply_token_bitmask, sample
 from jengine.sampling_params import SamplingParams as P
 from jengine.sampling_tables import (
     SamplerSwitches,
     SamplingRow,
     build_sampling_tensors,
-    guided_switches,
     program_inputs,
     sampler_switches,
 )
@@ -24,7 +23,15 @@ V = 70  # three words per row, the last one partly past the vocabulary
 WORDS = 3
 
 _sample = jax.jit(sample, static_argnames=("filter_k", "filter_p", "random", "top_logprobs", "k_bound", "small_p",
-                                           "logprobs_mode", "guided"))
+                                           "logprobs_mode"))
+_mask = jax.jit(apply_token_bitmask)
+
+
+def _guided_sample(logits, t, **options):
+    """What the runner does on a guided step: the masked logits, then the sampling program of `t`'s switches
+    over the tensors it takes."""
+    switches = sampler_switches(t, V)
+    return _sample(_mask(logits, t.token_bitmask), program_inputs(t, switches), **switches._asdict(), **options)
 
 
 def _random_bitmask(rng, rows: int, min_allowed: int = 1) -> np.ndarray:
@@ -56,8 +63,7 @@ def test_masked_logits_equal_the_numpy_reference():
     bitmask[1] = 0
     bitmask[1, 2] = np.int32(-2**31)  # bit 31 of the last word only: token 95, past V: nothing allowed
     t = _tensors([P()] * 6, bitmask)
-    got = np.asarray(jax.jit(process_logits, static_argnames=("filter_k", "filter_p", "adjust", "temper", "guided"))(
-        logits, t, filter_k=False, filter_p=False, adjust=False, temper=False, guided=True))
+    got = np.asarray(_mask(logits, t.token_bitmask))
     want = np.where(_allowed_reference(bitmask), logits, -np.inf)
     np.testing.assert_array_equal(got, want)
     assert np.isfinite(got[0]).all() and np.isneginf(got[1]).all()
@@ -76,12 +82,11 @@ def test_greedy_and_random_draws_land_on_allowed_tokens_only(filters):
     extra = dict(top_k=5, top_p=0.9) if filters else {}
     params = [P(temperature=0)] * 2 + [P(temperature=1.5, seed=s, **extra) for s in range(S - 2)]
     t = _tensors(params, bitmask)
-    switches = sampler_switches(t, V)
-    assert switches == guided_switches(switches) and switches.filter_k == filters
+    assert sampler_switches(t, V).filter_k == filters
     seen = set()
     for step in range(20):
         t = dataclasses.replace(t, rng_step=np.full(S, step, np.uint32))
-        out = _sample(logits, t, **switches._asdict())
+        out = _guided_sample(logits, t)
         ids = np.asarray(out.next_ids)
         assert allowed[np.arange(S), ids].all(), ids
         seen.update((r, int(i)) for r, i in enumerate(ids))
@@ -101,13 +106,14 @@ def test_a_greedy_guided_batch_takes_an_argmax_of_the_masked_logits_without_the_
     bitmask = _random_bitmask(rng, S, min_allowed=3)
     t = _tensors([P(temperature=0)] * (S - 1), bitmask, S=S)  # and a padding row
     switches = sampler_switches(t, V)
-    assert switches == SamplerSwitches(False, False, False, False, guided=True) and switches in SAMPLER_VARIANTS
+    assert switches == SamplerSwitches(False, False, False, False) and switches in SAMPLER_VARIANTS
     inputs = program_inputs(t, switches)
     assert np.asarray(inputs.penalty_ids).shape == (S, 0) and np.asarray(inputs.bias_ids).shape == (S, 0)
-    out = _sample(logits, inputs, **switches._asdict())
+    out = _guided_sample(logits, t)
     masked = np.where(_allowed_reference(bitmask), logits, -np.inf)
     np.testing.assert_array_equal(np.asarray(out.next_ids), np.argmax(masked, axis=-1))
-    general = _sample(logits, t, **guided_switches(switches._replace(random=True))._asdict())  # the program before
+    general = _sample(masked, dataclasses.replace(t, token_bitmask=np.zeros((S, 0), np.int32)),
+                      **switches._replace(random=True, top_logprobs=True)._asdict())  # the general program
     np.testing.assert_array_equal(np.asarray(out.next_ids), np.asarray(general.next_ids))
     np.testing.assert_allclose(np.asarray(out.sampled_logprobs), np.asarray(general.sampled_logprobs), rtol=1e-6)
 
@@ -118,25 +124,25 @@ def test_processed_logprobs_leave_out_the_masked_tokens():
     bitmask = np.zeros((2, WORDS), np.int32)
     bitmask[:, 0] = 0b110  # tokens 1 and 2
     t = _tensors([P(temperature=0, logprobs=5), P(temperature=1.0, seed=3, logprobs=5)], bitmask)
-    out = _sample(logits, t, **sampler_switches(t, V)._asdict(), logprobs_mode="processed_logprobs")
+    out = _guided_sample(logits, t, logprobs_mode="processed_logprobs")
     top_ids, top_lp = np.asarray(out.topk_ids), np.asarray(out.topk_logprobs)
     for r in range(2):
         assert set(top_ids[r, :2].tolist()) == {1, 2} and np.isneginf(top_lp[r, 2:]).all()
         np.testing.assert_allclose(np.exp(top_lp[r, :2]).sum(), 1.0, rtol=1e-5)
 
 
-def test_unguided_batches_keep_their_programs_and_guided_ones_take_a_warmed_up_one():
+def test_a_bitmask_changes_no_switch_and_is_no_sampling_programs_input():
     plain = _tensors([P(temperature=0)], None, S=4)
     assert np.asarray(plain.token_bitmask).shape == (4, 0)
-    assert not sampler_switches(plain, V).guided
     for params in ([P(temperature=0)], [P(temperature=0.7, top_p=0.5)], [P(top_k=3), P(min_p=0.2, logprobs=2)],
                    [P(repetition_penalty=1.3, logit_bias={4: 2.0})], [P(temperature=0.9, top_k=300)]):
         t = _tensors(params, np.full((1, WORDS), -1, np.int32), S=4)
         assert np.asarray(t.token_bitmask).shape == (4, WORDS) and (np.asarray(t.token_bitmask) == -1).all()
         switches = sampler_switches(t, V)
-        assert switches.guided and switches in SAMPLER_VARIANTS
-        np.testing.assert_array_equal(program_inputs(t, switches).token_bitmask, t.token_bitmask)
-    assert sum(v.guided for v in SAMPLER_VARIANTS) == 3
+        assert switches == sampler_switches(_tensors(params, None, S=4), V)
+        assert switches._replace(top_logprobs=False) in SAMPLER_VARIANTS  # top logprobs: the runner's own program
+        assert np.asarray(program_inputs(t, switches).token_bitmask).shape == (4, 0)
+    assert len(SAMPLER_VARIANTS) == 7
 
 
 def test_a_bitmask_of_the_wrong_shape_is_refused():
