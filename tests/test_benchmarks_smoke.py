@@ -316,7 +316,8 @@ def test_compile_probe_times_the_warmups_compiles_per_program_kind(tmp_path):
     args = ["--model", "jengine/tiny-llama", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--workers", "2"]
     data = _run("compile_probe", [*args, "--warmup", "--tokens-per-seq-row", "8"], tmp_path)
     assert buckets.TOKENS_PER_SEQ_ROW == 4  # the override lasts for the run only
-    assert set(data["kinds"]) == {"jit(_forward)", "jit(_sample)", "jit(_top_logprobs)", "jit(_prompt_logprobs)"}
+    assert set(data["kinds"]) == {"jit(_forward)", "jit(_sample)", "jit(_top_logprobs)", "jit(_mask_logits)",
+                                  "jit(_prompt_logprobs)"}
     assert sum(kind["n"] for kind in data["kinds"].values()) == data["compiles"]
     assert 0 < data["lowering_s"] <= data["warmup_s"]
     data = _run("compile_probe", [*args, "--token-buckets", "16", "32", "--seq-buckets", "8"], tmp_path)

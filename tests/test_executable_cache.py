@@ -33,7 +33,7 @@ lowerings, traces = [], []
 lower = jax.stages.Traced.lower
 jax.stages.Traced.lower = lambda self, *a, **k: lowerings.append(1) or lower(self, *a, **k)
 import jengine.runner
-for name in ("_forward", "_sample", "_top_logprobs", "_prompt_logprobs"):  # each runs only while traced
+for name in ("_forward", "_sample", "_top_logprobs", "_mask_logits", "_prompt_logprobs"):  # each runs only while traced
     fn = getattr(jengine.runner, name)
     setattr(jengine.runner, name, functools.wraps(fn)(lambda *a, _fn=fn, **k: traces.append(1) or _fn(*a, **k)))
 import jengine.warmup
@@ -76,7 +76,7 @@ def cold(tmp_path_factory):
 def test_first_start_stores_one_file_per_program(cold):
     first, cache_dir = cold
     assert first["hits"] == 0
-    assert first["lowerings"] == first["programs"] == len(_entries(cache_dir)) == 13  # forward, 10 samplers, 2 logprobs
+    assert first["lowerings"] == first["programs"] == len(_entries(cache_dir)) == 11  # forward, 7 samplers, 3 more
     assert first["traces"] == first["programs"]
 
 
