@@ -10,6 +10,9 @@ sampling options drawn at random) and counts the XLA compilations that happen af
 is 0), with the listener tests/test_no_recompile.py uses. startup_programs counts the programs built
 during start-up (compiled, or loaded from JAX's persistent cache: startup_cache_hits);
 executable_cache_hits counts those loaded from jengine's executable cache (neither lowered nor compiled).
+After the workload each child also traces and lowers the sampling variants of the largest sequence bucket once
+more, alone (a jit of its own, so nothing is cached): a program's lowering on a quiet host, against warm-up's
+per program while the compile pool ran beside it.
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ def child(args) -> None:
             n = rng.randint(1, args.workload_requests)
             prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(1, max_prompt))] for _ in range(n)]
             llm.generate(prompts, [random_params(rng, args.workload_max_tokens) for _ in prompts], use_tqdm=False)
-    print(_MARK + json.dumps({"first_token_wall": first_token, "marks": marks,
+    lowering_alone = sampling_lowering_alone(llm)
+    print(_MARK + json.dumps({"first_token_wall": first_token, "marks": marks, "lowering_alone": lowering_alone,
                               "engine_startup_s": llm.engine.startup_seconds,
                               "engine_phases": llm.engine.startup_phases,
                               "lowering_s": llm.engine.builder.warmup_lowering_seconds,
@@ -107,6 +111,28 @@ def child(args) -> None:
                               "startup_cache_hits": startup_compiles.cache_hits,
                               "executable_cache_hits": llm.engine.builder.executable_cache_hits,
                               "compilations_after_warmup": later.count}), flush=True)
+
+
+def sampling_lowering_alone(llm) -> dict:
+    """Seconds to trace and lower each sampling variant of the largest sequence bucket once more, with nothing
+    else running (a jit of its own: none of warm-up's traces or lowerings is reused), and the bucket."""
+    import functools
+
+    import jax
+
+    from jengine import runner as runner_module
+    from jengine.sampling_tables import SamplerSwitches, build_sampling_tensors, program_inputs
+    from jengine.step_input import pack
+
+    runner = llm.engine.runner
+    s = max(runner.logits_buffers)
+    fresh = jax.jit(functools.partial(runner_module._sample), donate_argnums=(3,),
+                    static_argnames=("layout", *SamplerSwitches._fields))
+    started = time.perf_counter()
+    for variant in runner_module.SAMPLER_VARIANTS:
+        ints, floats, layout = pack(program_inputs(build_sampling_tensors([], s, runner.cfg.vocab_size), variant))
+        fresh.trace(runner.logits_buffers[s], ints, floats, runner.prev_ids, layout=layout, **variant._asdict()).lower()
+    return {"num_seqs": s, "programs": len(runner_module.SAMPLER_VARIANTS), "seconds": time.perf_counter() - started}
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -173,6 +199,10 @@ def main(argv: list[str] | None = None) -> dict:
         kinds = ", ".join(f"{n} {kind} {secs:.1f}" for kind, (secs, n) in row.get("lowering_by_kind", {}).items())
         print(f"  {row['cache']}: {phases}  ({inner}; tracing and lowering {row['lowering_s']:.1f}"
               f"{f' ({kinds})' if kinds else ''}{helpers}, every program's first run {row['first_runs_s']:.1f})")
+        alone, (secs, n) = row["lowering_alone"], row.get("lowering_by_kind", {}).get("sample", (0.0, 0))
+        in_warmup = f"; in warm-up {secs / n:.2f} s each" if n else ""
+        print(f"    tracing and lowering {alone['programs']} sampling programs (S={alone['num_seqs']}) again alone: "
+              f"{alone['seconds'] / alone['programs']:.2f} s each{in_warmup}")
         cores_busy = (row["engine_cpu_s"] + row["helpers_cpu_s"]) / row["engine_s"]
         compiles = ", ".join(f"{n} {name} {secs:.0f}" for name, (secs, n) in row["compiling_by_program"].items())
         if compiles:

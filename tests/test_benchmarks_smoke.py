@@ -185,6 +185,9 @@ def test_startup_cold_and_warm_cache(tmp_path, children_share_the_device):
     assert sum(n for _, n in cold["compiling_by_program"].values()) == sum(n for _, n in kinds.values())
     assert {"jit(_forward)", "jit(_sample)"} <= set(cold["compiling_by_program"])
     assert warm["compiling_by_program"] == {}
+    for row in (cold, warm):  # the sampling programs lowered again alone, after the workload
+        assert row["lowering_alone"]["num_seqs"] == 8 and row["lowering_alone"]["programs"] >= 1
+        assert row["lowering_alone"]["seconds"] > 0
 
 
 def test_serving_launches_a_server_and_measures_streams(tmp_path, children_share_the_device):
