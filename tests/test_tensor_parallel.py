@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ from jengine.engine_config import EngineConfig
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models", "llama3_tied")
 LLAMA4HEADS = os.path.join(os.path.dirname(FIXTURE), "llama")
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 31))]
+GUIDED_REGEX = "[a-z]{3,8} [0-9]+"
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32),
               seq_buckets=(4,), compilation_cache_dir=None, use_tqdm_on_load=False)
 RUNS = [  # (name, model, load_format, tp)
@@ -36,7 +38,7 @@ def _child(out_dir: str) -> dict:
     """Runs in the child process with 8 devices: every run of RUNS, reported as plain data."""
     import jax
 
-    from jengine import LLM, SamplingParams
+    from jengine import LLM, SamplingParams, StructuredOutputsParams
     from jengine.loader import convert_to_orbax
 
     assert jax.device_count() == 8
@@ -91,6 +93,15 @@ def _child(out_dir: str) -> dict:
                             use_tqdm=False)
         report[f"swap/{tp}"] = dict(tokens=[[c.token_ids for c in o.outputs] for o in outs],
                                     preemptions=llm.engine.stats["preemptions"], compiles_after_warmup=len(compiles))
+        # structured outputs: the runner's masking program over the replicated logits, beside an unguided row
+        guided = SamplingParams(temperature=0, max_tokens=12, logprobs=2,
+                                structured_outputs=StructuredOutputsParams(regex=GUIDED_REGEX))
+        outs = llm.generate(["Hello", "Once upon"], [guided, SamplingParams(temperature=0, max_tokens=12)],
+                            use_tqdm=False)
+        first = outs[0].outputs[0]
+        report[f"swap/{tp}"].update(guided=[o.outputs[0].token_ids for o in outs], guided_text=first.text,
+                                    guided_logprobs=[lp[t].logprob for lp, t in zip(first.logprobs, first.token_ids)],
+                                    compiles_with_guided=len(compiles))
     return report
 
 
@@ -162,6 +173,15 @@ def test_logprobs_of_tp_match_tp1_within_tolerance(report, run):
 def test_tp2_swapping_and_copy_on_write_pages_generate_what_tp1_does(report):
     assert report["swap/2"]["preemptions"] > 0
     assert report["swap/2"]["tokens"] == report["swap/1"]["tokens"]
+
+
+def test_tp2_masks_structured_outputs_as_tp1_does(report):
+    one, two = report["swap/1"], report["swap/2"]
+    assert two["guided"] == one["guided"] and two["guided_text"] == one["guided_text"]
+    assert re.fullmatch(r"[a-z]{3,8}( [0-9]*)?", one["guided_text"]), one["guided_text"]  # the regex, or its start
+    assert len(one["guided_logprobs"]) == len(one["guided"][0]) and all(x <= 0 for x in one["guided_logprobs"])
+    assert max(abs(a - b) for a, b in zip(one["guided_logprobs"], two["guided_logprobs"])) < 1e-4
+    assert one["compiles_with_guided"] == two["compiles_with_guided"] == 0
 
 
 @pytest.mark.parametrize("tp", [1, 2])
