@@ -121,16 +121,15 @@ def sampling_lowering_alone(llm) -> dict:
     import jax
 
     from jengine import runner as runner_module
-    from jengine.sampling_tables import SamplerSwitches, build_sampling_tensors, program_inputs
-    from jengine.step_input import pack
+    from jengine.sampling_tables import SamplerSwitches
 
-    runner = llm.engine.runner
+    runner, builder = llm.engine.runner, llm.engine.builder
     s = max(runner.logits_buffers)
     fresh = jax.jit(functools.partial(runner_module._sample), donate_argnums=(3,),
                     static_argnames=("layout", *SamplerSwitches._fields))
     started = time.perf_counter()
     for variant in runner_module.SAMPLER_VARIANTS:
-        ints, floats, layout = pack(program_inputs(build_sampling_tensors([], s, runner.cfg.vocab_size), variant))
+        ints, floats, layout = builder.dummy_sampling(s, variant)  # the inputs warm-up lowers the variant with
         fresh.trace(runner.logits_buffers[s], ints, floats, runner.prev_ids, layout=layout, **variant._asdict()).lower()
     return {"num_seqs": s, "programs": len(runner_module.SAMPLER_VARIANTS), "seconds": time.perf_counter() - started}
 

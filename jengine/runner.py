@@ -159,7 +159,7 @@ def _mask_logits(logits, bitmask):
     """Structured outputs: the logits `[S, V]` with the tokens each row's bitmask `[S, ceil(V / 32)]` does not
     allow at -inf, written over the donated logits (which keep their buffer). A small program of its own per
     S, launched before the sampling program on the steps where a row is guided, so that guided batches take
-    the sampling variants unguided ones do (they had three programs of their own per S, each ~0.3 s of a cold
+    the sampling variants unguided ones do (they had three programs of their own per S, each ~0.37 s of a cold
     start's one-thread lowering on an H200 host and ~5 s of compile, RESULTS.md sessions 46-47); what follows
     sees the masked logits, raw logprobs included, as in vLLM."""
     return apply_token_bitmask(logits, bitmask)

@@ -27,6 +27,7 @@ from jengine.models import get_model_family
 from jengine.runner import FORWARD_COPIES, SAMPLER_VARIANTS, ModelRunner, forward_compiler_options
 from jengine.sampling_tables import SamplerSwitches, build_sampling_tensors, program_inputs
 from jengine.step_input import pack
+from jengine.structured_output import bitmask_words
 
 logger = logging.getLogger(__name__)
 
@@ -187,14 +188,15 @@ class ProgramBuilder:
         def samplers():
             for s, logits in logits_of.items():
                 for variant in SAMPLER_VARIANTS:
-                    s_ints, s_floats, s_layout = self._dummy_sampling(s, variant)
+                    s_ints, s_floats, s_layout = self.dummy_sampling(s, variant)
                     args = (logits, s_ints, s_floats, runner.prev_ids)
                     trace = functools.partial(runner.sample_jit.trace, *args, layout=s_layout, **variant._asdict())
                     yield ("sample", s_layout, *variant), self._key("sample", args, (s_layout, *variant)), trace, None
                 args = (logits, jax.ShapeDtypeStruct((s,), np.int32, sharding=logits.sharding))
                 trace = functools.partial(runner.top_logprobs_jit.trace, *args)
                 yield ("top_logprobs", s), self._key("top_logprobs", args), trace, None
-                args = (logits, jax.ShapeDtypeStruct((s, self._bitmask_words()), np.int32, sharding=logits.sharding))
+                words = bitmask_words(runner.cfg.vocab_size)
+                args = (logits, jax.ShapeDtypeStruct((s, words), np.int32, sharding=logits.sharding))
                 trace = functools.partial(runner.mask_jit.trace, *args)
                 yield ("mask", s), self._key("mask", args), trace, None
 
@@ -245,14 +247,10 @@ class ProgramBuilder:
         GPUs)."""
         return self.runner.graphs and bucket[0] <= self.runner.max_seqs
 
-    def _dummy_sampling(self, num_seqs: int, variant: SamplerSwitches):
+    def dummy_sampling(self, num_seqs: int, variant: SamplerSwitches):
         """Packed sampling inputs `(ints, floats, layout)` of a padding-only batch for a sampler variant."""
         tensors = build_sampling_tensors([], num_seqs, self.runner.cfg.vocab_size)
         return pack(program_inputs(tensors, variant))
-
-    def _bitmask_words(self) -> int:
-        """The width of a structured-output token bitmask: 32 tokens a word."""
-        return (self.runner.cfg.vocab_size + 31) // 32
 
     def _run_every_program(self, buckets: list[tuple[int, int]]) -> None:
         """Run every program of `buckets` once, on padding-only inputs (which read and write no page):
@@ -271,11 +269,11 @@ class ProgramBuilder:
                 with_logprobs.add(bucket[0])
         for num_seqs in sorted({s for _, s in buckets}):
             for variant in SAMPLER_VARIANTS:
-                s_ints, s_floats, s_layout = self._dummy_sampling(num_seqs, variant)
+                s_ints, s_floats, s_layout = self.dummy_sampling(num_seqs, variant)
                 runner.prev_ids, out = runner.program("sample", s_layout, *variant)(
                     runner.logits_buffers[num_seqs], s_ints, s_floats, runner.prev_ids)
             runner.program("top_logprobs", num_seqs)(runner.logits_buffers[num_seqs], out.next_ids)
-            every_token = np.full((num_seqs, self._bitmask_words()), -1, np.int32)
+            every_token = np.full((num_seqs, bitmask_words(runner.cfg.vocab_size)), -1, np.int32)
             runner.mask_logits(runner.logits_buffers[num_seqs], every_token)
         jax.block_until_ready(runner.prev_ids)
         self.warmup_first_runs_seconds = time.perf_counter() - started

@@ -9,6 +9,10 @@
 # and one line per file is printed; files not started SECONDS after the first are reported as not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ $# -lt 2 ] || ! [[ $2 =~ ^[0-9]+$ ]]; then
+  echo "usage: bash tests/gpu_files.sh LOG_DIR SECONDS [FILE ...]  (SECONDS: a whole number)" >&2
+  exit 2
+fi
 out=$1 deadline=$2
 shift 2
 if [ $# -eq 0 ]; then
