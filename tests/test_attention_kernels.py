@@ -272,5 +272,5 @@ for g, w in zip(got, want):
 assert "jax.experimental.pallas.triton" in sys.modules and sys.modules["jax.experimental.pallas.triton"] is None
 print("ok")
 """
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

@@ -191,6 +191,7 @@ def test_startup_cold_and_warm_cache(tmp_path, children_share_the_device):
 
 
 def test_serving_launches_a_server_and_measures_streams(tmp_path, children_share_the_device):
+    pytest.importorskip("uvicorn", reason="the server's dependencies are not installed (a `--no-deps` install)")
     argv = ["--launch-server", "--model", "jengine/tiny-llama", "--max-model-len", "256", "--num-prompts", "6",
             "--input-len", "16", "--output-len", "4", "--request-rate", "100", "--goodput", "ttft:60000",
             "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--token-buckets", "16,64", "--seq-buckets", "8",
@@ -204,6 +205,7 @@ def test_serving_launches_a_server_and_measures_streams(tmp_path, children_share
 
 
 def test_serving_sweeps_concurrency_against_one_server_and_plots(tmp_path, children_share_the_device):
+    pytest.importorskip("uvicorn", reason="the server's dependencies are not installed (a `--no-deps` install)")
     plot = tmp_path / "cdf.png"
     argv = ["--launch-server", "--model", "jengine/tiny-llama", "--max-model-len", "256", "--num-prompts", "4",
             "--input-len", "40", "--output-len", "3", "--max-concurrency", "1", "4", "--plot", str(plot),
