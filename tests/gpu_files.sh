@@ -7,6 +7,8 @@
 #
 # FILE: test file names (default: those naming the GPU backend). Each file's log goes to LOG_DIR/NAME.log
 # and one line per file is printed; files not started SECONDS after the first are reported as not run.
+# SHARD=i/n (environment) runs only every n-th test of each file, from the i-th (0-based): a file longer than one
+# device call (test_attention_mosaic, ~10 min on an H200) runs over n calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ] || ! [[ $2 =~ ^[0-9]+$ ]]; then
@@ -15,6 +17,12 @@ if [ $# -lt 2 ] || ! [[ $2 =~ ^[0-9]+$ ]]; then
 fi
 out=$1 deadline=$2
 shift 2
+shard=${SHARD:-0/1}
+if ! [[ $shard =~ ^([0-9]+)/([1-9][0-9]*)$ ]] || [ "${BASH_REMATCH[1]}" -ge "${BASH_REMATCH[2]}" ]; then
+  echo "SHARD must be i/n with 0 <= i < n, got $shard" >&2
+  exit 2
+fi
+index=${BASH_REMATCH[1]} count=${BASH_REMATCH[2]}
 if [ $# -eq 0 ]; then
   set -- $(grep -l 'default_backend()\|on_hopper' tests/test_*.py)
 fi
@@ -27,6 +35,15 @@ for f in "$@"; do
     echo "$name: not run (time)"
     continue
   fi
-  timeout "$left" python3 -P -m pytest -p no:cacheprovider -rfE "tests/$name.py" > "$out/$name.log" 2>&1
+  tests=("tests/$name.py")
+  if [ "$count" -gt 1 ]; then
+    mapfile -t tests < <(python3 -P -m pytest -p no:cacheprovider -o addopts= --collect-only -q "tests/$name.py" 2>/dev/null \
+                         | grep '::' | awk -v i="$index" -v n="$count" '(NR - 1) % n == i')
+    if [ ${#tests[@]} -eq 0 ]; then
+      echo "$name: no test in shard $shard"
+      continue
+    fi
+  fi
+  timeout "$left" python3 -P -m pytest -p no:cacheprovider -rfE "${tests[@]}" > "$out/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - start)) s: $(tail -n 1 "$out/$name.log")"
 done
