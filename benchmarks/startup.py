@@ -74,11 +74,14 @@ def child(args) -> None:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_secs)
     with CompileCounter() as startup_compiles:
-        cpu = _cpu_seconds()
+        cpu, threads = _cpu_seconds(), _thread_cpu_seconds()
         with timed_compiles() as compiles:
             llm = build_llm(args, compilation_cache_dir=args.cache_dir)
         marks["engine"] = time.time()
         cpu = [after - before for before, after in zip(cpu, _cpu_seconds())]
+        threads = {k: v - threads.get(k, 0.0) for k, v in _thread_cpu_seconds().items()}
+        threads = [[name, nice, secs] for (name, nice), secs in sorted(threads.items(), key=lambda kv: -kv[1])
+                   if secs >= 0.5]
         compiling_by_program = {}  # program name: [seconds of its compiles in their threads, compiles]
         for name, start, end in compiles:
             spent = compiling_by_program.setdefault(name, [0.0, 0])
@@ -107,6 +110,7 @@ def child(args) -> None:
                               "helpers_wait_s": llm.engine.builder.build_helpers_wait_seconds,
                               "kv_cache_memory": llm.engine.kv_cache_memory,
                               "engine_cpu_s": cpu[0], "helpers_cpu_s": cpu[1], "cores": os.cpu_count(),
+                              "threads_cpu_s": threads,
                               "buckets": llm.engine.num_compiled_buckets, "startup_programs": startup_compiles.count,
                               "startup_cache_hits": startup_compiles.cache_hits,
                               "executable_cache_hits": llm.engine.builder.executable_cache_hits,
@@ -139,6 +143,26 @@ def _cpu_seconds() -> tuple[float, float]:
     helpers)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+def _thread_cpu_seconds() -> dict[tuple[str, int], float]:
+    """CPU seconds (user + system) of this process's live threads by (name less its trailing number, nice level),
+    from /proc (Linux; elsewhere empty). Threads that have exited (the compile pools') are not in it."""
+    ticks, found = os.sysconf("SC_CLK_TCK"), {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                name, rest = f.read().rsplit(")", 1)
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = rest.split()  # from the state field on: utime, stime, nice are fields 14, 15, 19 of stat
+        key = (name.split("(", 1)[1].rstrip("0123456789_-"), int(fields[16]))
+        found[key] = found.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return found
 
 
 def run_child(argv: list[str], cache_dir: str, timeout: float) -> dict:
@@ -209,6 +233,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"    CPU in the engine constructor: {row['engine_cpu_s']:.0f} s in this process, "
               f"{row['helpers_cpu_s']:.0f} s in its build helpers: {cores_busy:.1f} of {row['cores']} cores busy "
               "on average")
+        if row.get("threads_cpu_s"):
+            live = sum(secs for _, _, secs in row["threads_cpu_s"])
+            named = ", ".join(f"{name} (nice {nice}) {secs:.0f}" for name, nice, secs in row["threads_cpu_s"])
+            print(f"    of this process's, by thread still alive after it: {named}; threads that ended (the compile "
+                  f"pools) {max(0.0, row['engine_cpu_s'] - live):.0f}")
     return save_results(args, rows)
 
 
