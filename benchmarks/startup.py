@@ -204,13 +204,16 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for mode in ("cold", "warm"):
         row = {"cache": mode, **run_child(own, cache_dir, args.child_timeout)}
-        row["cache_files"] = sum(len(f) for _, _, f in os.walk(cache_dir))
+        files = [os.path.join(root, f) for root, _, names in os.walk(cache_dir) for f in names]
+        row["cache_files"] = len(files)
+        row["cache_mb"] = round(sum(os.path.getsize(f) for f in files) / 1e6, 1)  # JAX's cache (compressed) + jengine's
         rows.append(row)
         print(f"{mode}: first token after {row['first_token_s']:.1f}s")
     if args.cache_dir is None:
         shutil.rmtree(cache_dir, ignore_errors=True)
     print_table(rows, ["cache", "first_token_s", "engine_startup_s", "buckets", "startup_programs",
-                       "startup_cache_hits", "executable_cache_hits", "compilations_after_warmup", "cache_files"])
+                       "startup_cache_hits", "executable_cache_hits", "compilations_after_warmup", "cache_files",
+                       "cache_mb"])
     print("seconds per phase (process start and script imports / jax and jengine imports / GPU client / "
           "engine constructor / first request; the constructor's own phases after it, and the part of compile "
           "this thread spent tracing and lowering while the pool compiled, and running every program once):")

@@ -169,6 +169,7 @@ def test_startup_cold_and_warm_cache(tmp_path, children_share_the_device):
     assert cold["first_token_s"] > 0 and warm["first_token_s"] > 0
     assert warm["startup_cache_hits"] > 0 and cold["startup_cache_hits"] == 0
     assert isinstance(warm["compilations_after_warmup"], int)
+    assert 0 < cold["cache_mb"] <= warm["cache_mb"] and cold["cache_files"] > 0
     for row in (cold, warm):  # the phases tile the time to first token; the engine's own phases tile its part
         phases = [row[f"{n}_s"] for n in ("entry", "imports", "backend", "engine", "request")]
         assert min(phases) >= 0 and abs(sum(phases) - row["first_token_s"]) < 1e-6
