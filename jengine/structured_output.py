@@ -311,7 +311,13 @@ class GuidedRequests:
             self.prepare()
             self._compiler = self._building.result()  # its ValueError (a tokenizer without EOS) is the request's
         grammar = self._compiler.grammar(so)
-        return [self._compiler.matcher(grammar) for _ in range(params.n)]
+        matchers = [self._compiler.matcher(grammar) for _ in range(params.n)]
+        if params.allowed_token_ids is not None:  # with nothing in common the first token would be drawn from none
+            first = allowed_tokens(self._compiler.fill_bitmask([(0, matchers[0])], 1)[0], self._vocab_size)
+            if not np.isin(params.allowed_token_ids, first).any():
+                raise ValueError("allowed_token_ids and structured_outputs have no token in common for the first "
+                                 "output token: no output could follow both")
+        return matchers
 
     def prepare(self) -> None:
         """Start making the grammar compiler on the worker thread, unless started (or there is no tokenizer).

@@ -127,3 +127,21 @@ def test_preempted_guided_requests_resume_where_their_grammar_was():
     for o in outs:
         assert re.fullmatch("[a-z]{5}(-[0-9]{4}){6}", o.outputs[0].text) and o.outputs[0].finish_reason == "stop"
     _assert_no_leak(llm)
+
+
+def test_allowed_token_ids_with_no_first_token_in_common_are_refused(llm):
+    tok = llm.get_tokenizer()
+    texts = [tok.decode([t]) for t in range(llm.engine.model_config.vocab_size)]
+    letters = [t for t, text in enumerate(texts) if text.isalpha()]
+    digits = [t for t, text in enumerate(texts) if len(text) == 1 and text.isdigit()]
+    so = StructuredOutputsParams(regex="[0-9]{3}")
+    with pytest.raises(ValueError, match="allowed_token_ids and structured_outputs have no token in common"):
+        llm.generate(["hi"], SamplingParams(n=2, allowed_token_ids=letters, structured_outputs=so), use_tqdm=False)
+    assert llm.engine.num_unfinished_requests() == 0
+    _assert_no_leak(llm)
+    # with some in common the output follows both
+    two = digits[:2]
+    out = llm.generate(["hi"], SamplingParams(temperature=1.0, seed=3, max_tokens=8, allowed_token_ids=letters + two,
+                                              structured_outputs=so), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[0-9]{3}", out.text) and set(out.token_ids[:3]) <= set(two), out
+    _assert_no_leak(llm)

@@ -50,6 +50,8 @@ ERROR_CASES = [  # (name, route, body, status, the error body's param)
      "structured_outputs"),
     ("two structured_outputs constraints", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
      "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs"),
+    ("allowed_token_ids outside structured_outputs' first tokens", "/v1/completions",
+     {"prompt": "x", "allowed_token_ids": [97], "structured_outputs": {"regex": "[0-9]+"}}, 400, "allowed_token_ids"),
     ("bad guided_regex", "/v1/completions", {"prompt": "x", "guided_regex": "[0-9"}, 400, "guided_regex"),
     ("empty guided_choice", "/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
     ("tools (tool_choice auto) without --enable-auto-tool-choice", "/v1/chat/completions",
