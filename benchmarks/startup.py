@@ -80,6 +80,7 @@ def child(args) -> None:
         marks["engine"] = time.time()
         cpu = [after - before for before, after in zip(cpu, _cpu_seconds())]
         threads = {k: v - threads.get(k, 0.0) for k, v in _thread_cpu_seconds().items()}
+        live_cpu = sum(max(0.0, secs) for secs in threads.values())  # the live threads' share of the constructor's
         threads = [[name, nice, secs] for (name, nice), secs in sorted(threads.items(), key=lambda kv: -kv[1])
                    if secs >= 0.5]
         compiling_by_program = {}  # program name: [seconds of its compiles in their threads, compiles]
@@ -110,7 +111,7 @@ def child(args) -> None:
                               "helpers_wait_s": llm.engine.builder.build_helpers_wait_seconds,
                               "kv_cache_memory": llm.engine.kv_cache_memory,
                               "engine_cpu_s": cpu[0], "helpers_cpu_s": cpu[1], "cores": os.cpu_count(),
-                              "threads_cpu_s": threads,
+                              "threads_cpu_s": threads, "live_threads_cpu_s": live_cpu,
                               "buckets": llm.engine.num_compiled_buckets, "startup_programs": startup_compiles.count,
                               "startup_cache_hits": startup_compiles.cache_hits,
                               "executable_cache_hits": llm.engine.builder.executable_cache_hits,
@@ -237,10 +238,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"{row['helpers_cpu_s']:.0f} s in its build helpers: {cores_busy:.1f} of {row['cores']} cores busy "
               "on average")
         if row.get("threads_cpu_s"):
-            live = sum(secs for _, _, secs in row["threads_cpu_s"])
             named = ", ".join(f"{name} (nice {nice}) {secs:.0f}" for name, nice, secs in row["threads_cpu_s"])
-            print(f"    of this process's, by thread still alive after it: {named}; threads that ended (the compile "
-                  f"pools) {max(0.0, row['engine_cpu_s'] - live):.0f}")
+            ended = max(0.0, row["engine_cpu_s"] - row["live_threads_cpu_s"])
+            print(f"    of this process's, by thread still alive after it (0.5 s or more): {named}; threads that "
+                  f"ended (the compile pools) {ended:.0f}")
     return save_results(args, rows)
 
 
