@@ -37,8 +37,8 @@ for f in "$@"; do
   fi
   tests=("tests/$name.py")
   if [ "$count" -gt 1 ]; then
-    mapfile -t tests < <(python3 -P -m pytest -p no:cacheprovider -o addopts= --collect-only -q "tests/$name.py" 2>/dev/null \
-                         | grep '::' | awk -v i="$index" -v n="$count" '(NR - 1) % n == i')
+    mapfile -t tests < <(python3 -P -m pytest -p no:cacheprovider -p no:warnings -o addopts= --collect-only -q "tests/$name.py" 2>/dev/null \
+                         | grep "^tests/.*::" | awk -v i="$index" -v n="$count" '(NR - 1) % n == i')
     if [ ${#tests[@]} -eq 0 ]; then
       echo "$name: no test in shard $shard"
       continue
