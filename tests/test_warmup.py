@@ -30,3 +30,24 @@ def test_compile_pool_threads_stop_at_the_lowest_priority(monkeypatch):
     monkeypatch.setattr(warmup, "COMPILE_NICENESS", 40)
     with warmup.compile_pool(1) as pool:
         assert pool.submit(_nice).result() == 19
+
+
+def test_no_thread_is_left_at_the_pools_priority_after_an_engine_is_built(tmp_path):
+    """The pools' threads end with warm-up; threads XLA or JAX made meanwhile that keep running (their runtimes')
+    must not inherit the lower priority, or serving would run below it."""
+    from jengine import LLM, SamplingParams
+
+    mine = _nice()
+    llm = LLM("jengine/tiny-llama", max_model_len=64, token_buckets=(16,), seq_buckets=(2,), max_num_seqs=2,
+              max_num_batched_tokens=16, compilation_cache_dir=str(tmp_path), use_tqdm_on_load=False)
+    llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+    niced = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                name, rest = f.read().rsplit(")", 1)
+        except OSError:  # ended meanwhile
+            continue
+        if int(rest.split()[16]) != mine:  # the nice level, field 19 of stat
+            niced[tid] = name.split("(", 1)[1]
+    assert not niced
