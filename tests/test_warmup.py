@@ -32,6 +32,13 @@ def test_compile_pool_threads_stop_at_the_lowest_priority(monkeypatch):
         assert pool.submit(_nice).result() == 19
 
 
+# XLA's pool for `ShapeUtil::ForEachIndexParallel` (literal work of its compiler passes, such as constant folding),
+# made by the first compile that needs it: in a process whose first such compile ran in a pool thread (the whole
+# test suite), it keeps that thread's priority. It did no work while a CPU engine generated (0 ticks over 8 x 64
+# tokens, against 10 for XLA's Eigen pool; session 48).
+COMPILE_TIME_POOLS = {"tf_foreach"}
+
+
 def test_no_thread_is_left_at_the_pools_priority_after_an_engine_is_built(tmp_path):
     """The pools' threads end with warm-up; threads XLA or JAX made meanwhile that keep running (their runtimes')
     must not inherit the lower priority, or serving would run below it."""
@@ -48,6 +55,7 @@ def test_no_thread_is_left_at_the_pools_priority_after_an_engine_is_built(tmp_pa
                 name, rest = f.read().rsplit(")", 1)
         except OSError:  # ended meanwhile
             continue
-        if int(rest.split()[16]) != mine:  # the nice level, field 19 of stat
-            niced[tid] = name.split("(", 1)[1]
+        name = name.split("(", 1)[1]
+        if int(rest.split()[16]) != mine and name not in COMPILE_TIME_POOLS:  # the nice level, field 19 of stat
+            niced[tid] = name
     assert not niced
