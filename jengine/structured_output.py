@@ -274,7 +274,7 @@ def consume(matcher: llguidance.LLMatcher, token: int) -> bool:
 
 
 def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """The token ids a bitmask row allows (tests and debugging)."""
+    """The token ids a bitmask row allows (`new_matchers`' check of allowed_token_ids, tests)."""
     bits = np.unpackbits(np.ascontiguousarray(bitmask_row, np.int32).view(np.uint8), bitorder="little")
     return np.flatnonzero(bits[:vocab_size])
 

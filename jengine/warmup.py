@@ -212,6 +212,8 @@ class ProgramBuilder:
             forwards.append(self._forward_build(bucket, layout, args))
         handle, forwards, later = build_helpers.start(self, buckets, forwards, embedding_lengths, helpers)
 
+        words = bitmask_words(runner.cfg.vocab_size)  # of a token bitmask row
+
         def samplers():
             for s, logits in logits_of.items():
                 for variant in SAMPLER_VARIANTS:
@@ -222,7 +224,6 @@ class ProgramBuilder:
                 args = (logits, jax.ShapeDtypeStruct((s,), np.int32, sharding=logits.sharding))
                 trace = functools.partial(runner.top_logprobs_jit.trace, *args)
                 yield ("top_logprobs", s), self._key("top_logprobs", args), trace, None
-                words = bitmask_words(runner.cfg.vocab_size)
                 args = (logits, jax.ShapeDtypeStruct((s, words), np.int32, sharding=logits.sharding))
                 trace = functools.partial(runner.mask_jit.trace, *args)
                 yield ("mask", s), self._key("mask", args), trace, None

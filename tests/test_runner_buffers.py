@@ -182,10 +182,11 @@ def test_a_guided_batch_masks_the_logits_buffer_in_place_then_samples_as_an_ungu
 
     from jengine.sampler import apply_token_bitmask, sample
     from jengine.sampling_tables import SamplingRow, build_sampling_tensors, program_inputs, sampler_switches
+    from jengine.structured_output import bitmask_words
 
     runner = llm.engine.runner
     vocab, rows = runner.cfg.vocab_size, 4
-    words = (vocab + 31) // 32
+    words = bitmask_words(vocab)
     rng = np.random.default_rng(1)
     bitmask = rng.integers(0, 2**32, (3, words), dtype=np.uint64).astype(np.uint32).view(np.int32)  # 3 guided rows
     params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.9, top_p=0.8, seed=1),
