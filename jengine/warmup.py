@@ -14,8 +14,6 @@ import functools
 import itertools
 import logging
 import os
-import sys
-import threading
 import time
 
 import jax
@@ -34,34 +32,15 @@ from jengine.structured_output import bitmask_words
 logger = logging.getLogger(__name__)
 
 
-# How much lower the compile pool's threads run than the thread that lowers for them (Linux nice steps). That thread
-# is Python: every program reaches the pool through it, and beside 16 compile threads and the build helpers it
-# lowered a sampling program in 0.38-0.42 s on an H200 host against 0.08-0.12 s alone (RESULTS.md, session 48).
-COMPILE_NICENESS = 10
-
-
 def _default_workers() -> int:
     """Threads that compile at once (XLA compiles without the GIL): the cores, at most 16."""
     return max(1, min(16, os.cpu_count() or 1))
 
 
-def _lower_this_thread() -> None:
-    """Run the calling thread `COMPILE_NICENESS` steps nicer than it is (Linux, where nice is per thread; elsewhere
-    and where refused, nothing), so that the cores go first to the thread feeding the compile pool."""
-    if not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS))
-    except OSError:
-        pass
-
-
 def compile_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that load and compile programs while the calling thread traces and lowers them, at a lower
-    priority than it (`_lower_this_thread`)."""
-    return concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="jengine-compile",
-                                                 initializer=_lower_this_thread)
+    """The threads that load and compile programs while the calling thread traces and lowers them (warm-up's,
+    `compile_programs`' and the build helpers')."""
+    return concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="jengine-compile")
 
 
 class ProgramBuilder:
