@@ -25,6 +25,7 @@ import resource
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 from common import (
@@ -74,10 +75,12 @@ def child(args) -> None:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_secs)
     with CompileCounter() as startup_compiles:
-        cpu, threads = _cpu_seconds(), _thread_cpu_seconds()
+        cpu, threads, sched = _cpu_seconds(), _thread_cpu_seconds(), _sched_seconds()
         with timed_compiles() as compiles:
             llm = build_llm(args, compilation_cache_dir=args.cache_dir)
         marks["engine"] = time.time()
+        after = _sched_seconds()
+        sched = None if sched is None or after is None else [b - a for a, b in zip(sched, after)]
         cpu = [after - before for before, after in zip(cpu, _cpu_seconds())]
         threads = {k: v - threads.get(k, 0.0) for k, v in _thread_cpu_seconds().items()}
         live_cpu = sum(max(0.0, secs) for secs in threads.values())  # the live threads' share of the constructor's
@@ -111,7 +114,7 @@ def child(args) -> None:
                               "helpers_wait_s": llm.engine.builder.build_helpers_wait_seconds,
                               "kv_cache_memory": llm.engine.kv_cache_memory,
                               "engine_cpu_s": cpu[0], "helpers_cpu_s": cpu[1], "cores": os.cpu_count(),
-                              "threads_cpu_s": threads, "live_threads_cpu_s": live_cpu,
+                              "threads_cpu_s": threads, "live_threads_cpu_s": live_cpu, "main_thread_sched_s": sched,
                               "buckets": llm.engine.num_compiled_buckets, "startup_programs": startup_compiles.count,
                               "startup_cache_hits": startup_compiles.cache_hits,
                               "executable_cache_hits": llm.engine.builder.executable_cache_hits,
@@ -144,6 +147,17 @@ def _cpu_seconds() -> tuple[float, float]:
     helpers)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+def _sched_seconds() -> tuple[float, float] | None:
+    """This thread's seconds on a core and waiting in the run queue for one, from the scheduler's statistics
+    (Linux with schedstats; elsewhere None). Its wall time beyond both it slept: on the GIL, a future, I/O."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            on_core, queued = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(on_core) / 1e9, int(queued) / 1e9
 
 
 def _thread_cpu_seconds() -> dict[tuple[str, int], float]:
@@ -242,6 +256,11 @@ def main(argv: list[str] | None = None) -> dict:
             ended = max(0.0, row["engine_cpu_s"] - row["live_threads_cpu_s"])
             print(f"    of this process's, by thread still alive after it (0.5 s or more): {named}; threads that "
                   f"ended (the compile pools) {ended:.0f}")
+        if row.get("main_thread_sched_s"):
+            on_core, queued = row["main_thread_sched_s"]
+            asleep = max(0.0, row["engine_s"] - on_core - queued)
+            print(f"    the constructor's thread over its {row['engine_s']:.1f} s: on a core {on_core:.1f}, waiting "
+                  f"for a core {queued:.1f}, asleep {asleep:.1f} (the GIL, futures, the build helpers, I/O)")
     return save_results(args, rows)
 
 

@@ -182,6 +182,10 @@ def test_startup_cold_and_warm_cache(tmp_path, children_share_the_device):
         assert all(secs >= 0.5 for _, _, secs in row["threads_cpu_s"])
         listed = sum(secs for _, _, secs in row["threads_cpu_s"])
         assert listed <= row["live_threads_cpu_s"] <= row["engine_cpu_s"] * 1.02 + 0.5  # /proc counts in clock ticks
+        # the constructor's thread: on a core plus queued for one within its wall time (Linux with schedstats)
+        if row["main_thread_sched_s"] is not None:
+            on_core, queued = row["main_thread_sched_s"]
+            assert 0 < on_core and 0 <= queued and on_core + queued <= row["engine_s"] * 1.02 + 0.05
     if sys.platform.startswith("linux"):  # the cold start's main thread traced and lowered for seconds
         assert any(isinstance(name, str) and isinstance(nice, int) for name, nice, _ in cold["threads_cpu_s"])
     # the cold start lowered forwards and sampling programs on warm-up's thread, inside its lowering phase
