@@ -258,9 +258,19 @@ def chat_like_lengths(n: int, max_model_len: int, seed: int = 0) -> list[tuple[i
     return list(zip(inp.tolist(), out.tolist()))
 
 
+DATASETS = ("random", "chat-like", "sharegpt")
+SHAREGPT_MIN_LEN = 4  # prompts and replies shorter than this many tokens are skipped, as vLLM's benchmarks do
+
+
 def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts: int, input_len: int, output_len: int) -> None:
-    parser.add_argument("--dataset", default="random", choices=("random", "chat-like"),
-                        help="random: fixed lengths; chat-like: seeded ShareGPT-like lognormal lengths")
+    parser.add_argument("--dataset", default="random", choices=DATASETS,
+                        help="random: fixed lengths; chat-like: seeded ShareGPT-like lognormal lengths; sharegpt: "
+                             "the first exchanges of a ShareGPT JSON file (--dataset-path), tokenized with the "
+                             "model's tokenizer")
+    parser.add_argument("--dataset-path", default=None,
+                        help="sharegpt only: a JSON list of {\"conversations\": [{\"from\", \"value\"}, ...]}")
+    parser.add_argument("--sharegpt-output-len", type=positive_int, default=None,
+                        help="sharegpt only: every output this long instead of its reply's token count")
     parser.add_argument("--num-prompts", type=positive_int, default=num_prompts)
     parser.add_argument("--input-len", type=positive_int, default=input_len, help="random dataset only")
     parser.add_argument("--output-len", type=positive_int, default=output_len, help="random dataset only")
@@ -269,13 +279,74 @@ def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts: int, input_l
 
 def make_requests(args, vocab: int, variant: int = 0) -> list[tuple[list[int], int]]:
     """(prompt token ids, output length) per request for --dataset. Another `variant` keeps the lengths
-    and draws other tokens, so a server's prefix cache holds none of an earlier variant's prompts."""
+    and draws other tokens (sharegpt: other conversations), so a server's prefix cache holds none of an
+    earlier variant's prompts. ValueError for a dataset flag or file that cannot make the requests."""
+    sharegpt_only = [f for f, v in (("--dataset-path", args.dataset_path),
+                                    ("--sharegpt-output-len", args.sharegpt_output_len)) if v is not None]
+    if args.dataset != "sharegpt" and sharegpt_only:
+        raise ValueError(f"{' and '.join(sharegpt_only)} need --dataset sharegpt, got --dataset {args.dataset}")
+    if args.dataset == "sharegpt":
+        return sharegpt_requests(args.dataset_path, args.model, args.num_prompts, args.max_model_len,
+                                 args.sharegpt_output_len, args.seed + variant)
     if args.dataset == "chat-like":
         lengths = chat_like_lengths(args.num_prompts, args.max_model_len, args.seed)
     else:
         lengths = [(args.input_len, args.output_len)] * args.num_prompts
     rng = np.random.default_rng([args.seed + 1, variant] if variant else args.seed + 1)
     return [(rng.integers(100, vocab - 100, size=i).tolist(), o) for i, o in lengths]
+
+
+def sharegpt_exchanges(path: str) -> list[tuple[str, str]]:
+    """(first prompt, its reply) of each conversation of a ShareGPT JSON file that has both as text."""
+    if not path:
+        raise ValueError("--dataset sharegpt needs --dataset-path (a ShareGPT JSON file)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--dataset-path {path!r}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--dataset-path {path!r} is not JSON: {e}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset-path {path!r}: expected a JSON list of conversations, got {type(data).__name__}")
+    exchanges = []
+    for item in data:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, dict) for t in turns[:2]):
+            prompt, reply = turns[0].get("value"), turns[1].get("value")
+            if isinstance(prompt, str) and isinstance(reply, str):
+                exchanges.append((prompt, reply))
+    return exchanges
+
+
+def sharegpt_requests(path: str, model: str, num_prompts: int, max_model_len: int, output_len: int | None = None,
+                      seed: int = 0) -> list[tuple[list[int], int]]:
+    """`num_prompts` requests from a ShareGPT file's first exchanges, in a seeded shuffle: the prompt's token ids
+    (the model's tokenizer, with the special tokens it adds by default) and the reply's token count (or
+    `output_len`); exchanges under `SHAREGPT_MIN_LEN` tokens either way or longer than `max_model_len` together
+    are skipped."""
+    from jengine.tokenizer import load_tokenizer
+
+    exchanges = sharegpt_exchanges(path)
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise ValueError(f"--dataset sharegpt needs the model's tokenizer, and {model!r} has none (a model "
+                         "directory with one: benchmarks/bench_model_dir.py)")
+    order = np.random.default_rng(seed).permutation(len(exchanges))
+    requests = []
+    for i in order:
+        if len(requests) == num_prompts:
+            break
+        prompt, reply = exchanges[i]
+        ids = tokenizer(prompt).input_ids
+        out = output_len or len(tokenizer(reply, add_special_tokens=False).input_ids)
+        if len(ids) >= SHAREGPT_MIN_LEN and out >= SHAREGPT_MIN_LEN and len(ids) + out <= max_model_len:
+            requests.append((list(ids), out))
+    if len(requests) < num_prompts:
+        raise ValueError(f"--dataset-path {path!r}: {len(requests)} of its {len(exchanges)} exchanges fit "
+                         f"(at least {SHAREGPT_MIN_LEN} tokens each way, at most --max-model-len {max_model_len} "
+                         f"together), fewer than --num-prompts {num_prompts}")
+    return requests
 
 
 def model_shape(model: str) -> dict:

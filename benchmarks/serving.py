@@ -139,10 +139,23 @@ def prefix_hit_rate(before, after) -> float | None:
     return (after[1] - before[1]) / (after[0] - before[0])
 
 
-async def run_load(url: str, payloads: list[dict], rate: float, max_concurrency: int | None, seed: int):
+def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds between `n` request arrivals at `rate` req/s on average: gamma-distributed with shape
+    `burstiness` (1: exponential, a Poisson process; below 1 burstier, above 1 more even), as vLLM's
+    benchmark draws them; all zero at an infinite rate."""
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    if burstiness == 1.0:
+        return rng.exponential(1.0 / rate, n).tolist()
+    return rng.gamma(burstiness, 1.0 / (rate * burstiness), n).tolist()
+
+
+async def run_load(url: str, payloads: list[dict], rate: float, max_concurrency: int | None, seed: int,
+                   burstiness: float = 1.0):
     import httpx
 
-    rng = np.random.default_rng(seed)
+    gaps = arrival_gaps(len(payloads), rate, burstiness, seed)
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def limited(client, payload):
@@ -157,10 +170,10 @@ async def run_load(url: str, payloads: list[dict], rate: float, max_concurrency:
         await one_request(client, url, {**payloads[0], "prompt": payloads[0]["prompt"][:1], "max_tokens": 4})
         tasks = []
         start = time.perf_counter()
-        for payload in payloads:
+        for payload, gap in zip(payloads, gaps):
             tasks.append(asyncio.create_task(limited(client, payload)))
-            if rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / rate))
+            if gap:
+                await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
 
@@ -252,10 +265,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--endpoint", default="/v1/completions")
     parser.add_argument("--launch-server", action="store_true", help="start `jengine serve` here (on a free port)")
     parser.add_argument("--server-timeout", type=positive_float, default=1800, help="seconds to wait for /health")
-    parser.add_argument("--max-model-len", type=positive_int, default=2048, help="clips chat-like lengths")
+    parser.add_argument("--max-model-len", type=positive_int, default=2048,
+                        help="clips chat-like lengths, bounds sharegpt's")
     add_dataset_flags(parser, num_prompts=1000, input_len=512, output_len=256)
     parser.add_argument("--request-rate", type=positive_float, default=float("inf"),
-                        help="req/s, Poisson; inf = all at once")
+                        help="req/s on average; inf = all at once")
+    parser.add_argument("--burstiness", type=positive_float, default=1.0,
+                        help="arrivals' gamma shape at --request-rate: 1 Poisson, below 1 burstier, above 1 more even")
     parser.add_argument("--max-concurrency", type=positive_int, nargs="+", default=None,
                         help="requests in flight at most; several values: one run each (a sweep)")
     parser.add_argument("--goodput", nargs="*", default=[], help="SLOs in ms: ttft:MS tpot:MS e2el:MS")
@@ -269,6 +285,11 @@ def main(argv: list[str] | None = None) -> dict:
     caps = args.max_concurrency or [None]
     if any(c is not None and c < 1 for c in caps):
         parser.error(f"--max-concurrency values must be positive integers, got {args.max_concurrency}")
+
+    try:  # every point's prompts, before a server starts
+        requests = [make_requests(args, model_shape(args.model)["vocab"], variant) for variant in range(len(caps))]
+    except ValueError as e:
+        parser.error(str(e))
 
     proc = None
     if args.launch_server:
@@ -286,11 +307,13 @@ def main(argv: list[str] | None = None) -> dict:
             payloads = [{"model": args.model, "prompt": p, "max_tokens": o, "ignore_eos": True, "temperature": 0.0,
                          "stream": True, "stream_options": {"include_usage": True},
                          **({"logprobs": 0, "return_tokens_as_token_ids": True} if args.token_logprobs else {})}
-                        for p, o in make_requests(args, model_shape(args.model)["vocab"], variant)]
-            print(f"{len(payloads)} requests ({args.dataset}), rate {args.request_rate} req/s, "
+                        for p, o in requests[variant]]
+            print(f"{len(payloads)} requests ({args.dataset}), rate {args.request_rate} req/s "
+                  f"(burstiness {args.burstiness}), "
                   f"max concurrency {cap or 'unlimited'} -> {url}")
             before = prefix_cache_counters(base_url)
-            results, duration = asyncio.run(run_load(url, payloads, args.request_rate, cap, args.seed))
+            results, duration = asyncio.run(run_load(url, payloads, args.request_rate, cap, args.seed,
+                                                     args.burstiness))
             runs.append((cap, results, duration, prefix_hit_rate(before, prefix_cache_counters(base_url))))
     finally:
         if proc is not None:

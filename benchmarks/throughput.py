@@ -205,7 +205,10 @@ def main(argv: list[str] | None = None) -> dict:
         if not hf_backend.available():
             parser.error(f"--backend {args.backend} needs torch and transformers installed")
 
-    requests = make_requests(args, model_shape(args.model)["vocab"])
+    try:
+        requests = make_requests(args, model_shape(args.model)["vocab"])
+    except ValueError as e:
+        parser.error(str(e))
     lengths = [(len(p), o) for p, o in requests]
     prompt_tokens = sum(i for i, _ in lengths)
     print(f"workload: {args.dataset}, {len(requests)} requests, {prompt_tokens} prompt tokens "

@@ -65,6 +65,12 @@ def test_throughput_random_and_chat_like_write_results_and_bound(tmp_path):
     assert row["backend"] == "jengine" and row["output_tokens"] == 32 and data["bound"]["bound_s"] > 0
     data = _run("throughput", [*ENGINE, "--dataset", "chat-like", "--num-prompts", "6"], tmp_path)
     assert data["results"][0]["output_tokens"] > 0
+    # ShareGPT's first exchanges: prompts of 38-39 bytes, replies of 25-26 (the byte tokenizer's tokens)
+    data = _run("throughput", [*ENGINE, "--dataset", "sharegpt", "--dataset-path", _sharegpt(tmp_path, 12),
+                               "--num-prompts", "5"], tmp_path)
+    assert data["args"]["dataset"] == "sharegpt" and 5 * 25 <= data["results"][0]["output_tokens"] <= 5 * 26
+    with pytest.raises(SystemExit):  # a flag error before any engine starts
+        _run("throughput", [*ENGINE, "--dataset", "sharegpt"], tmp_path)
     data = _run("throughput", [*ENGINE, "--num-prompts", "4", "--input-len", "8", "--output-len", "3",
                                "--allowed-token-ids", "5"], tmp_path)
     assert data["results"][0]["output_tokens"] == 12 and data["args"]["allowed_token_ids"] == 5
@@ -201,10 +207,22 @@ def test_startup_cold_and_warm_cache(tmp_path, children_share_the_device):
         assert row["lowering_alone"]["seconds"] > 0
 
 
+def _sharegpt(tmp_path, n: int) -> str:
+    """A ShareGPT-format file of `n` first exchanges (and a third turn, which the benchmarks ignore)."""
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"id": str(i), "conversations": [
+        {"from": "human", "value": f"{i} is the number I want to hear about."},  # no two share a page
+        {"from": "gpt", "value": f"The number {i} is a number."}, {"from": "human", "value": "Thanks"}]}
+        for i in range(n)]))
+    return str(path)
+
+
 def test_serving_launches_a_server_and_measures_streams(tmp_path, children_share_the_device):
+    """ShareGPT prompts (the tiny model's byte tokenizer) arriving in gamma-distributed bursts."""
     pytest.importorskip("uvicorn", reason="the server's dependencies are not installed (a `--no-deps` install)")
     argv = ["--launch-server", "--model", "jengine/tiny-llama", "--max-model-len", "256", "--num-prompts", "6",
-            "--input-len", "16", "--output-len", "4", "--request-rate", "100", "--goodput", "ttft:60000",
+            "--dataset", "sharegpt", "--dataset-path", _sharegpt(tmp_path, 8), "--sharegpt-output-len", "4",
+            "--request-rate", "100", "--burstiness", "0.5", "--goodput", "ttft:60000",
             "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--token-buckets", "16,64", "--seq-buckets", "8",
             "--dtype", "float32", *CHILD_ENGINE]
     data = _run("serving", argv, tmp_path)
@@ -212,7 +230,7 @@ def test_serving_launches_a_server_and_measures_streams(tmp_path, children_share
     assert result["completed"] == 6 and result["failed"] == 0 and result["output_tokens"] == 24
     assert result["ttft_mean_ms"] > 0 and result["goodput_req_s"] > 0
     assert result["prefix_cache_hit_rate"] == 0  # a new server has seen none of the prompts
-    assert data["sweep"] is None
+    assert data["sweep"] is None and data["args"]["burstiness"] == 0.5
 
 
 def test_serving_sweeps_concurrency_against_one_server_and_plots(tmp_path, children_share_the_device):

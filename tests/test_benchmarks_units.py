@@ -93,3 +93,95 @@ def test_traces_record_python_calls_only_when_asked(tmp_path, python):
     names = [name for name, _, _ in host_events(load_trace(str(tmp_path)), steps=1, top_n=10_000)]
     assert any("engine_step_marker" in n for n in names) == python
     assert any(n.startswith("PjitFunction") for n in names)  # the runtime's own annotation of the jit call
+
+
+def _dataset_args(*argv):
+    import argparse
+
+    from common import add_dataset_flags
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="jengine/tiny-llama")
+    parser.add_argument("--max-model-len", type=int, default=64)
+    add_dataset_flags(parser, num_prompts=4, input_len=8, output_len=4)
+    return parser.parse_args(list(argv))
+
+
+def _sharegpt_file(tmp_path, conversations) -> str:
+    import json
+
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"id": str(i), "conversations": c} for i, c in enumerate(conversations)]))
+    return str(path)
+
+
+def _exchange(prompt: str, reply: str) -> list[dict]:
+    return [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}, {"from": "human", "value": "more"}]
+
+
+def test_sharegpt_requests_take_first_exchanges_tokenized_and_fitting(tmp_path):
+    from common import make_requests
+
+    from jengine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("jengine/tiny-llama")  # byte-level: a token per byte
+    fits = [_exchange(f"question number {i}", f"answer {i}!") for i in range(5)]
+    skipped = [_exchange("hi", "a reply long enough"),  # a prompt of 2 tokens
+               _exchange("a long enough prompt", "ok"),  # reply of 2 tokens
+               _exchange("x" * 60, "y" * 10),  # 61 + 10 tokens > --max-model-len 64
+               [{"from": "human", "value": "alone"}], "not a conversation"]
+    path = _sharegpt_file(tmp_path, fits[:2] + skipped + fits[2:])
+    args = _dataset_args("--dataset", "sharegpt", "--dataset-path", path, "--num-prompts", "5")
+    requests = make_requests(args, vocab=261)
+    expected = {(tuple(tok(f"question number {i}").input_ids), len(f"answer {i}!")) for i in range(5)}
+    assert {(tuple(p), o) for p, o in requests} == expected  # every fitting exchange, none of the others
+    assert requests == make_requests(args, vocab=261)  # seeded
+    assert make_requests(args, vocab=261, variant=1) != requests  # another order for another sweep point
+    forced = make_requests(_dataset_args("--dataset", "sharegpt", "--dataset-path", path, "--num-prompts", "3",
+                                         "--sharegpt-output-len", "7"), vocab=261)
+    assert len(forced) == 3 and {o for _, o in forced} == {7}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--dataset", "sharegpt"), "needs --dataset-path"),
+    (("--dataset-path", "x.json"), "need --dataset sharegpt"),
+    (("--sharegpt-output-len", "5"), "need --dataset sharegpt"),
+    (("--dataset", "sharegpt", "--dataset-path", "/nonexistent/x.json"), "No such file"),
+])
+def test_dataset_flags_are_checked(argv, message):
+    from common import make_requests
+
+    with pytest.raises(ValueError, match=message):
+        make_requests(_dataset_args(*argv), vocab=261)
+
+
+def test_sharegpt_file_errors_name_the_file(tmp_path):
+    from common import make_requests
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        make_requests(_dataset_args("--dataset", "sharegpt", "--dataset-path", str(bad)), vocab=261)
+    bad.write_text('{"conversations": []}')
+    with pytest.raises(ValueError, match="expected a JSON list"):
+        make_requests(_dataset_args("--dataset", "sharegpt", "--dataset-path", str(bad)), vocab=261)
+    few = _sharegpt_file(tmp_path, [_exchange("a long enough prompt", "a long enough reply")])
+    with pytest.raises(ValueError, match="1 of its 1 exchanges fit.*fewer than --num-prompts 4"):
+        make_requests(_dataset_args("--dataset", "sharegpt", "--dataset-path", few), vocab=261)
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):  # a preset without one
+        make_requests(_dataset_args("--dataset", "sharegpt", "--dataset-path", few, "--num-prompts", "1",
+                                    "--model", "jengine/llama-3.1-8b"), vocab=128256)
+
+
+def test_arrival_gaps_keep_the_rate_and_vary_with_burstiness():
+    import numpy as np
+    from serving import arrival_gaps
+
+    assert arrival_gaps(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+    poisson, bursty, even = (np.array(arrival_gaps(20000, 10.0, b, 0)) for b in (1.0, 0.25, 4.0))
+    for gaps in (poisson, bursty, even):  # the mean gap is 1 / rate whatever the shape
+        assert gaps.mean() == pytest.approx(0.1, rel=0.05)
+    cv = {name: g.std() / g.mean() for name, g in (("poisson", poisson), ("bursty", bursty), ("even", even))}
+    assert cv["poisson"] == pytest.approx(1.0, rel=0.05)  # exponential gaps
+    assert cv["bursty"] == pytest.approx(2.0, rel=0.1) and cv["even"] == pytest.approx(0.5, rel=0.1)  # 1/sqrt(k)
+    assert arrival_gaps(5, 10.0, 1.0, 0) == np.random.default_rng(0).exponential(0.1, 5).tolist()
