@@ -274,6 +274,12 @@ def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts: int, input_l
     parser.add_argument("--num-prompts", type=positive_int, default=num_prompts)
     parser.add_argument("--input-len", type=positive_int, default=input_len, help="random dataset only")
     parser.add_argument("--output-len", type=positive_int, default=output_len, help="random dataset only")
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="random dataset only: each request's input and output lengths drawn uniformly from "
+                             "[len * (1 - r), len * (1 + r)] (vLLM's), r in [0, 1); 0: fixed lengths")
+    parser.add_argument("--random-prefix-len", type=non_negative_int, default=0,
+                        help="random dataset only: this many tokens shared by every prompt, before its own "
+                             "--input-len (vLLM's)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -285,15 +291,39 @@ def make_requests(args, vocab: int, variant: int = 0) -> list[tuple[list[int], i
                                     ("--sharegpt-output-len", args.sharegpt_output_len)) if v is not None]
     if args.dataset != "sharegpt" and sharegpt_only:
         raise ValueError(f"{' and '.join(sharegpt_only)} need --dataset sharegpt, got --dataset {args.dataset}")
+    random_only = [f for f, v in (("--random-range-ratio", args.random_range_ratio),
+                                  ("--random-prefix-len", args.random_prefix_len)) if v]
+    if args.dataset != "random" and random_only:
+        raise ValueError(f"{' and '.join(random_only)} need --dataset random, got --dataset {args.dataset}")
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if args.dataset == "sharegpt":
         return sharegpt_requests(args.dataset_path, args.model, args.num_prompts, args.max_model_len,
                                  args.sharegpt_output_len, args.seed + variant)
-    if args.dataset == "chat-like":
-        lengths = chat_like_lengths(args.num_prompts, args.max_model_len, args.seed)
-    else:
-        lengths = [(args.input_len, args.output_len)] * args.num_prompts
     rng = np.random.default_rng([args.seed + 1, variant] if variant else args.seed + 1)
-    return [(rng.integers(100, vocab - 100, size=i).tolist(), o) for i, o in lengths]
+    if args.dataset == "chat-like":
+        return [(rng.integers(100, vocab - 100, size=i).tolist(), o)
+                for i, o in chat_like_lengths(args.num_prompts, args.max_model_len, args.seed)]
+    lengths = random_lengths(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, args.seed)
+    longest = args.random_prefix_len + max(i + o for i, o in lengths)
+    if longest > args.max_model_len:
+        raise ValueError(f"the random dataset's longest request ({args.random_prefix_len} prefix + input + output "
+                         f"tokens = {longest}) exceeds --max-model-len {args.max_model_len}")
+    prefix = np.random.default_rng([args.seed + 2, variant]).integers(100, vocab - 100, size=args.random_prefix_len)
+    return [(prefix.tolist() + rng.integers(100, vocab - 100, size=i).tolist(), o) for i, o in lengths]
+
+
+def random_lengths(n: int, input_len: int, output_len: int, ratio: float, seed: int) -> list[tuple[int, int]]:
+    """(input, output) token counts of the random dataset: `input_len` / `output_len`, or with `ratio` > 0 each
+    drawn uniformly from [len * (1 - ratio), len * (1 + ratio)] (at least 1), seeded."""
+    if ratio == 0:
+        return [(input_len, output_len)] * n
+    rng = np.random.default_rng([seed, 3])
+
+    def draw(length):
+        return rng.integers(max(1, int(length * (1 - ratio))), int(length * (1 + ratio)) + 1, size=n).tolist()
+
+    return list(zip(draw(input_len), draw(output_len)))
 
 
 def sharegpt_exchanges(path: str) -> list[tuple[str, str]]:

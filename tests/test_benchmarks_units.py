@@ -185,3 +185,38 @@ def test_arrival_gaps_keep_the_rate_and_vary_with_burstiness():
     assert cv["poisson"] == pytest.approx(1.0, rel=0.05)  # exponential gaps
     assert cv["bursty"] == pytest.approx(2.0, rel=0.1) and cv["even"] == pytest.approx(0.5, rel=0.1)  # 1/sqrt(k)
     assert arrival_gaps(5, 10.0, 1.0, 0) == np.random.default_rng(0).exponential(0.1, 5).tolist()
+
+
+def test_random_dataset_ranges_and_shared_prefix():
+    from common import make_requests
+
+    fixed = make_requests(_dataset_args("--max-model-len", "256", "--num-prompts", "3"), vocab=1000)
+    assert [(len(p), o) for p, o in fixed] == [(8, 4)] * 3  # the defaults: --input-len 8, --output-len 4
+    args = _dataset_args("--max-model-len", "256", "--num-prompts", "200", "--input-len", "20", "--output-len", "10",
+                         "--random-range-ratio", "0.5", "--random-prefix-len", "6")
+    requests = make_requests(args, vocab=1000)
+    prefix = requests[0][0][:6]
+    assert all(p[:6] == prefix for p, _ in requests)  # every prompt opens with the shared prefix
+    inputs, outputs = {len(p) - 6 for p, _ in requests}, {o for _, o in requests}
+    assert min(inputs) == 10 and max(inputs) == 30 and len(inputs) > 15  # uniform over [20 * 0.5, 20 * 1.5]
+    assert min(outputs) == 5 and max(outputs) == 15
+    assert make_requests(args, vocab=1000) == requests  # seeded
+    other = make_requests(args, vocab=1000, variant=1)  # a sweep's next point: same lengths, no shared prompt
+    assert [(len(p), o) for p, o in other] == [(len(p), o) for p, o in requests] and other[0][0][:6] != prefix
+    assert fixed == make_requests(_dataset_args("--max-model-len", "256", "--num-prompts", "3",
+                                                "--random-range-ratio", "0"), vocab=1000)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--random-range-ratio", "1"), r"must be in \[0, 1\)"),
+    (("--random-range-ratio", "-0.1"), r"must be in \[0, 1\)"),
+    (("--random-range-ratio", "nan"), r"must be in \[0, 1\)"),
+    (("--dataset", "chat-like", "--random-prefix-len", "4"), "need --dataset random"),
+    (("--input-len", "50", "--output-len", "10", "--random-prefix-len", "5"), "= 65\\) exceeds --max-model-len 64"),
+    (("--input-len", "63", "--output-len", "10", "--random-range-ratio", "0.1"), "exceeds --max-model-len 64"),
+])
+def test_random_dataset_flags_are_checked(argv, message):
+    from common import make_requests
+
+    with pytest.raises(ValueError, match=message):
+        make_requests(_dataset_args(*argv), vocab=1000)
