@@ -285,8 +285,9 @@ def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts: int, input_l
 
 def make_requests(args, vocab: int, variant: int = 0) -> list[tuple[list[int], int]]:
     """(prompt token ids, output length) per request for --dataset. Another `variant` keeps the lengths
-    and draws other tokens (sharegpt: other conversations), so a server's prefix cache holds none of an
-    earlier variant's prompts. ValueError for a dataset flag or file that cannot make the requests."""
+    and draws other tokens, so a server's prefix cache holds none of an earlier variant's prompts (sharegpt:
+    another shuffle of the file, which may repeat conversations an earlier variant sent). ValueError for a
+    dataset flag or file that cannot make the requests."""
     sharegpt_only = [f for f, v in (("--dataset-path", args.dataset_path),
                                     ("--sharegpt-output-len", args.sharegpt_output_len)) if v is not None]
     if args.dataset != "sharegpt" and sharegpt_only:

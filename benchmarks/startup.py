@@ -79,8 +79,8 @@ def child(args) -> None:
         with timed_compiles() as compiles:
             llm = build_llm(args, compilation_cache_dir=args.cache_dir)
         marks["engine"] = time.time()
-        after = _sched_seconds()
-        sched = None if sched is None or after is None else [b - a for a, b in zip(sched, after)]
+        sched_now = _sched_seconds()
+        sched = None if sched is None or sched_now is None else [b - a for a, b in zip(sched, sched_now)]
         cpu = [after - before for before, after in zip(cpu, _cpu_seconds())]
         threads = {k: v - threads.get(k, 0.0) for k, v in _thread_cpu_seconds().items()}
         live_cpu = sum(max(0.0, secs) for secs in threads.values())  # the live threads' share of the constructor's
