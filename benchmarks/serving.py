@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output-json", default=None)
     args, server_args = parser.parse_known_args(argv)
     slos = parse_goodput(args.goodput)
+    if args.burstiness == float("inf"):
+        parser.error("--burstiness must be finite (a gamma shape), got inf")
     caps = args.max_concurrency or [None]
     if any(c is not None and c < 1 for c in caps):
         parser.error(f"--max-concurrency values must be positive integers, got {args.max_concurrency}")

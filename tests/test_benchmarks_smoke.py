@@ -142,6 +142,7 @@ def test_latency_trace_reads_the_engines_own_steps(tmp_path):
     ("prefix", ["--suffix-len", "-2"], "must be an integer >= 0, got -2"),
     ("long_context", ["--long-input-lens", "100", "0"], "must be a positive integer, got 0"),
     ("serving", ["--request-rate", "-1"], "must be a number > 0, got -1"),
+    ("serving", ["--burstiness", "inf"], "--burstiness must be finite"),
     ("gemm", ["--split-k", "3"], "each S must be a power of two, got [3]"),
 ])
 def test_bad_counts_and_lengths_are_usage_errors(name, argv, message, tmp_path, capsys):
