@@ -37,12 +37,6 @@ def _default_workers() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
-def compile_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that load and compile programs while the calling thread traces and lowers them (warm-up's,
-    `compile_programs`' and the build helpers')."""
-    return concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="jengine-compile")
-
-
 class ProgramBuilder:
     """Builds `runner`'s programs, filling its compiled programs (and the other copies of copied
     forwards, see `FORWARD_COPIES`) before the first step; keeps warm-up's report.
@@ -130,7 +124,7 @@ class ProgramBuilder:
         """Programs outside the step buckets (the embedding programs), `{name: (program, args, trace)}`:
         loaded from the executable cache where it holds them, else traced (`trace()`), lowered,
         compiled and stored there; loads and compiles in parallel, as at warm-up."""
-        with compile_pool(_default_workers()) as pool:  # built as (program, name)
+        with concurrent.futures.ThreadPoolExecutor(_default_workers()) as pool:  # built as (program, name)
             builds = self._start_builds((((program, name), self._key(program, args), trace, None)
                                          for name, (program, args, trace) in programs.items()), pool)
             return {name[1]: compiled for name, compiled, _ in self._finish_builds(builds, pool)}
@@ -155,7 +149,7 @@ class ProgramBuilder:
     def build_jobs(self, jobs: list[tuple], workers: int) -> None:
         """Build the jobs' programs into the executable cache (`build_helpers`), `workers` compiling while
         this thread traces and lowers, as at warm-up."""
-        with compile_pool(workers) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
             for _ in self._finish_builds(self._start_builds(map(self.job_build, jobs), pool), pool):
                 pass
 
@@ -213,7 +207,7 @@ class ProgramBuilder:
                 trace = functools.partial(runner.prompt_logprobs_jit.trace, *args)
                 yield ("prompt_logprobs", t), self._key("prompt_logprobs", args), trace, None
 
-        with compile_pool(workers) as pool:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             try:
                 builds = self._start_builds(itertools.chain(samplers(), prompt_logprobs(), forwards), pool, copied)
             except BaseException:
