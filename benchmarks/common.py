@@ -34,6 +34,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-buckets", type=positive_int, nargs="+", default=None)
     parser.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--prefill-first", action="store_true",
+                        help="the engine's prefill_first: steps with prompt work run no decodes")
     parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     parser.add_argument("--compilation-cache-dir", default=None,
                         help="JAX's and jengine's compile caches (default: the engine's); 'none' compiles afresh")
@@ -214,7 +216,7 @@ def engine_args(args, **overrides) -> dict:
               token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
               seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-              tensor_parallel_size=args.tensor_parallel_size)
+              prefill_first=args.prefill_first, tensor_parallel_size=args.tensor_parallel_size)
     kw.update(overrides)
     kw = {k: v for k, v in kw.items() if v is not None}
     cache_dir = getattr(args, "compilation_cache_dir", None)

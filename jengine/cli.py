@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"))
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=False,
+                        help="steps with prompt tokens to run run no decodes: bursts of prompts finish sooner "
+                             "(offline throughput), decodes stall while prompts arrive (worse inter-token latency)")
     parser.add_argument("--compilation-cache-dir", default=EngineConfig.compilation_cache_dir,
                         help="where compiled programs are kept between starts (JAX's cache and jengine's "
                              f"executables; default {EngineConfig.compilation_cache_dir}); 'none' turns it off")
@@ -90,7 +93,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
                 preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
+                enable_chunked_prefill=args.enable_chunked_prefill, prefill_first=args.prefill_first,
+                tensor_parallel_size=args.tensor_parallel_size,
                 data_parallel_size=args.data_parallel_size, generation_config=args.generation_config,
                 override_generation_config=args.override_generation_config,
                 compilation_cache_dir=None if args.compilation_cache_dir.lower() in ("", "none")

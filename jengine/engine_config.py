@@ -46,6 +46,9 @@ class EngineConfig:
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV pages
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Steps with prompt work run no decodes (scheduler.py): shorter bursts of prompts, full decode batches
+    # after them; decodes stall while prompts arrive. Off: decodes first, prompts in the rest (vLLM v1).
+    prefill_first: bool = False
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
     compilation_cache_dir: str | None = "~/.cache/jengine/xla"  # JAX's and jengine's executable caches; None: off
@@ -115,6 +118,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        check_bool("prefill_first", self.prefill_first)
         if self.dtype not in (None, "auto"):
             object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         for name in ("token_buckets", "seq_buckets"):

@@ -11,6 +11,12 @@ Order within a step, under a budget of `max_num_batched_tokens` tokens and `max_
   2. if nobody was preempted this step: swapped-out requests and waiting requests, oldest first (by
      the policy's key), admitted until one does not fit. Admission never skips ahead of a request
      that does not fit, so nobody starves, and preempted requests regain their place by arrival.
+     At most `max_num_seqs` requests run at once.
+
+With `prefill_first`, a step that has prompt work runs only that: step 1 skips the running requests
+that decode, and they wait until no prompt (chunk) can start. As in vLLM v0 without chunked prefill
+and SGLang without mixed chunks: the prompts of a burst finish sooner and every request then decodes
+in full batches, at the cost of stalling decodes while prompts arrive (worse inter-token latency).
 
 Prefix caching: a waiting request starts after the longest run of cached full pages matching its
 tokens, always leaving at least its last token to compute. Pages are registered as soon as a step
@@ -38,6 +44,11 @@ _STATUS_BY_REASON = {
     "length": RequestStatus.FINISHED_LENGTH,
     "abort": RequestStatus.FINISHED_ABORTED,
 }
+
+
+def _decodes(request: Request) -> bool:
+    """Whether the request's next step is a decode: one sampled token to run, its prompt done."""
+    return request.num_tokens_to_compute == 1 and request.num_output_tokens > 0
 
 
 @dataclasses.dataclass
@@ -96,6 +107,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         enable_chunked_prefill: bool = True,
+        prefill_first: bool = False,
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
         preemption_mode: str = "recompute",
@@ -119,6 +131,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.prefill_first = prefill_first
         self.policy = policy
         self.preemption_mode = preemption_mode
         # Longest sequence the pool can hold at all; growing past it would preempt itself forever.
@@ -282,13 +295,23 @@ class Scheduler:
         """Choose this step's requests and token counts, allocating their pages."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
+        if self.prefill_first and (self.waiting or self.swapped or not all(map(_decodes, self.running))):
+            self._fill(out, prompts_only=True)
+            if out.scheduled or out.preempted:
+                return out
+        self._fill(out, prompts_only=False)
+        return out
+
+    def _fill(self, out: SchedulerOutput, prompts_only: bool) -> None:
+        """Schedule running requests (all, or only those with prompt tokens left), then admit queued
+        ones unless that preempted anybody."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
-
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_num_seqs:
             request = self.running[i]
-            num_new = self._chunk(request, request.num_tokens_to_compute, budget)
+            num_new = 0 if prompts_only and _decodes(request) else self._chunk(
+                request, request.num_tokens_to_compute, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -307,12 +330,12 @@ class Scheduler:
 
         if not out.preempted:
             self._admit(out, budget)
-        return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Swap in or start queued requests, oldest first, until the first one that does not fit."""
         bm = self.block_manager
-        while budget > 0 and len(out.scheduled) < self.max_num_seqs and (self.waiting or self.swapped):
+        while (budget > 0 and len(out.scheduled) < self.max_num_seqs and len(self.running) < self.max_num_seqs
+               and (self.waiting or self.swapped)):
             from_swapped = bool(self.swapped) and (
                 not self.waiting or self._sort_key(self.swapped[0]) < self._sort_key(self.waiting[0]))
             if from_swapped:

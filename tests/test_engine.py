@@ -71,6 +71,19 @@ def test_chunked_prefill_with_tiny_budget_matches_transformers():
     _assert_no_leak(llm)
 
 
+def test_prefill_first_with_chunks_and_preemption_matches_transformers():
+    # Prompt steps hold no decodes; four prompts over 8-token chunks, on a pool small enough that the
+    # decodes preempt each other.
+    cfg, params = load_model(FIXTURE, dtype="float32")
+    prompts = [p for p, _ in HF_CASES] + [HF_CASES[3][0][i : i + 32] for i in range(2)]
+    expected = [e for _, e in HF_CASES] + [greedy_generate(cfg, params, p, 16, stop_at_eos=False) for p in prompts[-2:]]
+    llm = _make_llm(max_num_batched_tokens=8, token_buckets=(8,), max_num_seqs=4, num_gpu_blocks_override=8,
+                    prefill_first=True)
+    assert _greedy_tokens(llm, prompts) == expected
+    assert llm.engine.stats["preemptions"] > 0
+    _assert_no_leak(llm)
+
+
 def _assert_prompt_logprobs_match_logits(llm, prompt, k=2):
     cfg, params = load_model(FIXTURE, dtype="float32")
     logits = prompt_logits(cfg, params, prompt)

@@ -20,6 +20,7 @@ from jengine.engine_config import EngineConfig
     ("seed", True, "seed must be an integer, got True"),
     ("enable_prefix_caching", "yes", "enable_prefix_caching must be True or False, got 'yes'"),
     ("enable_chunked_prefill", 1, "enable_chunked_prefill must be True or False, got 1"),
+    ("prefill_first", "no", "prefill_first must be True or False, got 'no'"),
     ("token_buckets", [16, True], "token_buckets must be a non-empty list of positive integers"),
     ("token_buckets", "16", "token_buckets must be a non-empty list of positive integers"),
     ("seq_buckets", 8, "seq_buckets must be a non-empty list of positive integers"),

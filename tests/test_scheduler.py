@@ -130,6 +130,47 @@ def test_decodes_are_scheduled_before_waiting_prefills_in_the_same_step():
     assert plan(out) == [("a", 4, 1, True), ("b", 7, 3, True)]
 
 
+def test_prefill_first_runs_prompt_steps_without_decodes_until_no_prompt_can_start():
+    sched = make(max_num_batched_tokens=8, prefill_first=True)
+    sched.add_request(req("a", 3, max_tokens=5, arrival=0))
+    step(sched)
+    sched.add_request(req("b", 10, max_tokens=1, arrival=1))
+    sched.add_request(req("c", 2, max_tokens=3, arrival=2))
+    plans = [plan(step(sched)[0]) for _ in range(4)]
+    assert plans == [
+        [("b", 0, 8, False)],  # a, decoding, waits while b's chunks and c run
+        [("b", 8, 2, True), ("c", 0, 2, True)],
+        [("a", 3, 1, True), ("c", 2, 1, True)],  # b finished with its prompt; no prompt work left
+        [("a", 4, 1, True), ("c", 3, 1, True)],
+    ]
+
+
+def test_prefill_first_lets_decodes_run_when_queued_prompts_cannot_start():
+    # max_num_seqs reached: the waiting prompt cannot start, so the step decodes instead of idling.
+    sched = make(max_num_seqs=2, prefill_first=True)
+    for i, rid in enumerate("ab"):
+        sched.add_request(req(rid, 3, max_tokens=3, arrival=i))
+    assert plan(step(sched)[0]) == [("a", 0, 3, True), ("b", 0, 3, True)]
+    sched.add_request(req("c", 3, max_tokens=1, arrival=2))
+    out, _ = step(sched)
+    assert plan(out) == [("a", 3, 1, True), ("b", 3, 1, True)] and len(sched.waiting) == 1
+    out, done = step(sched)  # a and b end here
+    assert plan(out) == [("a", 4, 1, True), ("b", 4, 1, True)] and len(done) == 2
+    assert plan(step(sched)[0]) == [("c", 0, 3, True)]
+    assert_no_leaks(sched)
+
+
+def test_admission_never_runs_more_than_max_num_seqs_requests():
+    # With prefill_first, a step holds only prompts, so admission counts the running queue, not the step.
+    sched = make(max_num_seqs=3, prefill_first=True)
+    for i in range(5):
+        sched.add_request(req(f"r{i}", 3, max_tokens=4, arrival=i))
+    while sched.has_unfinished():
+        step(sched)
+        assert len(sched.running) + len(sched.finishing) <= 3
+    assert_no_leaks(sched)
+
+
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room():
     sched = make(max_num_batched_tokens=10, enable_chunked_prefill=False)
     sched.add_request(req("a", 3, max_tokens=2, arrival=0))
@@ -358,15 +399,17 @@ def test_duplicate_request_id_is_rejected():
         sched.add_request(req("a", 3))
 
 
-@pytest.mark.parametrize(("seed", "mode", "chunked", "caching"), [
-    (0, "recompute", True, True), (1, "swap", True, True), (2, "recompute", False, True),
-    (3, "swap", False, False),
+@pytest.mark.parametrize(("seed", "mode", "chunked", "caching", "prefill_first"), [
+    (0, "recompute", True, True, False), (1, "swap", True, True, False), (2, "recompute", False, True, False),
+    (3, "swap", False, False, False), (4, "recompute", True, True, True), (5, "swap", True, False, True),
+    (6, "swap", False, True, True),
 ])
-def test_random_workload_on_a_tight_pool_keeps_every_token_right_and_leaks_nothing(seed, mode, chunked, caching):
+def test_random_workload_on_a_tight_pool_keeps_every_token_right_and_leaks_nothing(
+        seed, mode, chunked, caching, prefill_first):
     rng = random.Random(seed)
     sched = make(num_blocks=13, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=40,
                  preemption_mode=mode, num_cpu_blocks=8, enable_chunked_prefill=chunked,
-                 enable_prefix_caching=caching)
+                 enable_prefix_caching=caching, prefill_first=prefill_first)
     device = FakeDevice(sched)
     shared = list(range(500, 508))
     pending, expected_prefix, steps = [], {}, 0
@@ -389,8 +432,11 @@ def test_random_workload_on_a_tight_pool_keeps_every_token_right_and_leaks_nothi
         if sched.requests and rng.random() < 0.03:  # a client goes away, in any state
             victim = sched.requests[rng.choice(sorted(sched.requests))]
             sched.abort(victim.request_id)
+        decoding = {r.request_id for r in sched.running if r.num_output_tokens and r.num_tokens_to_compute == 1}
         out = sched.schedule()
         assert out.num_scheduled_tokens <= 16 and len(out.scheduled) <= 6
+        if prefill_first and any(s.request_id not in decoding for s in out.scheduled):
+            assert not any(s.request_id in decoding for s in out.scheduled), "a decode ran beside prompt work"
         if out.scheduled and rng.random() < 0.05:  # ... or goes away while its step runs
             sched.abort(rng.choice(out.scheduled).request_id)
         sched.update(out, device.run(out))
