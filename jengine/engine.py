@@ -136,7 +136,8 @@ class LLMEngine:
             num_blocks=num_pages, block_size=ecfg.block_size, max_num_batched_tokens=ecfg.max_num_batched_tokens,
             max_num_seqs=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len, eos_token_ids=cfg.eos_token_ids,
             enable_chunked_prefill=ecfg.enable_chunked_prefill, prefill_first=ecfg.prefill_first,
-            enable_prefix_caching=ecfg.enable_prefix_caching, policy=ecfg.scheduling_policy, preemption_mode=ecfg.preemption_mode, num_cpu_blocks=num_cpu_pages)
+            enable_prefix_caching=ecfg.enable_prefix_caching, policy=ecfg.scheduling_policy,
+            preemption_mode=ecfg.preemption_mode, num_cpu_blocks=num_cpu_pages)
         self.kv_cache_tokens = (num_pages - 1) * ecfg.block_size
         logger.info("KV cache: %d pages of %d tokens (%d tokens), %d host pages", num_pages, ecfg.block_size,
                     self.kv_cache_tokens, num_cpu_pages)
