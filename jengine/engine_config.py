@@ -46,8 +46,9 @@ class EngineConfig:
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV pages
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # Steps with prompt work run no decodes (scheduler.py): shorter bursts of prompts, full decode batches
-    # after them; decodes stall while prompts arrive. Off: decodes first, prompts in the rest (vLLM v1).
+    # While queued prompts fill a step's budget, steps run no decodes (scheduler.py): a burst of prompts ends
+    # sooner and decodes run in full batches after it; decodes stall during the burst. Off: every step runs
+    # the decodes first and prompt chunks in the rest of the budget (vLLM v1).
     prefill_first: bool = False
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"

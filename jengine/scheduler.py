@@ -13,10 +13,12 @@ Order within a step, under a budget of `max_num_batched_tokens` tokens and `max_
      that does not fit, so nobody starves, and preempted requests regain their place by arrival.
      At most `max_num_seqs` requests run at once.
 
-With `prefill_first`, a step that has prompt work runs only that: step 1 skips the running requests
-that decode, and they wait until no prompt (chunk) can start. As in vLLM v0 without chunked prefill
-and SGLang without mixed chunks: the prompts of a burst finish sooner and every request then decodes
-in full batches, at the cost of stalling decodes while prompts arrive (worse inter-token latency).
+With `prefill_first`, while the prompts that could start (queued, within `max_num_seqs`) and the
+unfinished ones hold a full step's budget of tokens, a step runs only prompt work: step 1 skips the
+running requests that decode, and they wait. A burst of prompts (an offline batch) then ends sooner and
+every request decodes in full batches after it, as in vLLM v0 without chunked prefill or SGLang without
+mixed chunks; with less prompt work queued, steps mix as above, so a few arrivals do not stall the
+decodes. The cost: decodes stall while a burst or a long prompt is prefilled (inter-token latency).
 
 Prefix caching: a waiting request starts after the longest run of cached full pages matching its
 tokens, always leaving at least its last token to compute. Pages are registered as soon as a step
@@ -295,12 +297,22 @@ class Scheduler:
         """Choose this step's requests and token counts, allocating their pages."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
-        if self.prefill_first and (self.waiting or self.swapped or not all(map(_decodes, self.running))):
+        if self.prefill_first and self._prompts_fill_a_step():
             self._fill(out, prompts_only=True)
             if out.scheduled or out.preempted:
                 return out
         self._fill(out, prompts_only=False)
         return out
+
+    def _prompts_fill_a_step(self) -> bool:
+        """Whether unfinished prompts and those that could start hold `max_num_batched_tokens` tokens."""
+        tokens = sum(r.num_tokens_to_compute for r in self.running if not _decodes(r))
+        seats = self.max_num_seqs - len(self.running)
+        for queue in (self.swapped, self.waiting):
+            for request in queue[:max(seats, 0)]:
+                tokens += request.num_tokens_to_compute
+            seats -= len(queue)
+        return tokens >= self.max_num_batched_tokens
 
     def _fill(self, out: SchedulerOutput, prompts_only: bool) -> None:
         """Schedule running requests (all, or only those with prompt tokens left), then admit queued

@@ -130,19 +130,32 @@ def test_decodes_are_scheduled_before_waiting_prefills_in_the_same_step():
     assert plan(out) == [("a", 4, 1, True), ("b", 7, 3, True)]
 
 
-def test_prefill_first_runs_prompt_steps_without_decodes_until_no_prompt_can_start():
+def test_prefill_first_runs_prompt_only_steps_while_prompts_fill_the_budget():
     sched = make(max_num_batched_tokens=8, prefill_first=True)
-    sched.add_request(req("a", 3, max_tokens=5, arrival=0))
+    sched.add_request(req("a", 3, max_tokens=6, arrival=0))
     step(sched)
-    sched.add_request(req("b", 10, max_tokens=1, arrival=1))
-    sched.add_request(req("c", 2, max_tokens=3, arrival=2))
-    plans = [plan(step(sched)[0]) for _ in range(4)]
+    sched.add_request(req("b", 10, max_tokens=2, arrival=1))
+    sched.add_request(req("c", range(60, 66), max_tokens=3, arrival=2))  # no prefix shared with a or b
+    plans = [plan(step(sched)[0]) for _ in range(3)]
     assert plans == [
-        [("b", 0, 8, False)],  # a, decoding, waits while b's chunks and c run
-        [("b", 8, 2, True), ("c", 0, 2, True)],
-        [("a", 3, 1, True), ("c", 2, 1, True)],  # b finished with its prompt; no prompt work left
-        [("a", 4, 1, True), ("c", 3, 1, True)],
+        [("b", 0, 8, False)],  # 16 prompt tokens queued: a, decoding, waits
+        [("b", 8, 2, True), ("c", 0, 6, True)],  # still 8, a full step
+        [("a", 3, 1, True), ("b", 10, 1, True), ("c", 6, 1, True)],
     ]
+    sched.add_request(req("d", 3, max_tokens=1, arrival=3))  # less than a step: mixed with the decodes
+    assert plan(step(sched)[0]) == [("a", 4, 1, True), ("c", 7, 1, True), ("d", 0, 3, True)]
+
+
+def test_prefill_first_decodes_when_the_queued_prompts_cannot_get_pages():
+    # 4 pages of 4 tokens: a holds 2, b's 10-token prompt needs 3 (chunked prefill off), so the prompt-only
+    # step finds nothing to run and the step decodes instead of idling.
+    sched = make(num_blocks=5, max_num_batched_tokens=10, enable_chunked_prefill=False, prefill_first=True)
+    sched.add_request(req("a", 6, max_tokens=5, arrival=0))
+    step(sched)
+    sched.add_request(req("b", range(50, 60), max_tokens=1, arrival=1))  # no prefix shared with a
+    plans = [plan(step(sched)[0]) for _ in range(5)]
+    assert plans == [[("a", 6 + i, 1, True)] for i in range(4)] + [[("b", 0, 10, True)]]
+    assert_no_leaks(sched)
 
 
 def test_prefill_first_lets_decodes_run_when_queued_prompts_cannot_start():
@@ -433,9 +446,12 @@ def test_random_workload_on_a_tight_pool_keeps_every_token_right_and_leaks_nothi
             victim = sched.requests[rng.choice(sorted(sched.requests))]
             sched.abort(victim.request_id)
         decoding = {r.request_id for r in sched.running if r.num_output_tokens and r.num_tokens_to_compute == 1}
+        seats = 6 - len(sched.running)
+        queued = sum(r.num_tokens_to_compute for r in sched.running if r.request_id not in decoding) + sum(
+            r.num_tokens_to_compute for r in (sched.swapped + sched.waiting)[:max(seats, 0)])
         out = sched.schedule()
         assert out.num_scheduled_tokens <= 16 and len(out.scheduled) <= 6
-        if prefill_first and any(s.request_id not in decoding for s in out.scheduled):
+        if prefill_first and queued >= 16 and any(s.request_id not in decoding for s in out.scheduled):
             assert not any(s.request_id in decoding for s in out.scheduled), "a decode ran beside prompt work"
         if out.scheduled and rng.random() < 0.05:  # ... or goes away while its step runs
             sched.abort(rng.choice(out.scheduled).request_id)
