@@ -2,8 +2,9 @@
 
 XLA compiles one program per input shape, so the batch is padded up to one of a few sizes on each of
 two axes: T, the tokens scheduled in a step, and S, the sequences in it. Powers of two keep the
-number of programs logarithmic in the cap and the padding under half; an optional linear step above
-some size trades a few more programs for less waste on large batches. Bucket lists are plain sorted
+number of programs logarithmic in the cap and the padding under half; the default T buckets add the
+sizes halfway between from 256 tokens up (padding under a third there), and an optional linear step
+above some size trades a few more programs for less waste on large batches. Bucket lists are plain sorted
 tuples of ints so they can live in config files.
 """
 
@@ -35,16 +36,27 @@ def make_buckets(cap: int, min_bucket: int = 1, linear_step: int | None = None) 
     return tuple(sizes)
 
 
+# From this many tokens up, the default T buckets add a size halfway between powers of two (384, 768, 1536,
+# ...): steps that large are compute-bound, so their padding costs its share of the step's time, and mixed
+# steps (decodes plus whatever prompt work is queued) land anywhere between the powers. On an H200 the 8B
+# chat-like offline run (1,000 requests) took 26.5 s against 27.9 s (+5.2% output tok/s) for 4 more forward
+# programs (cold start 47.7 against 44.2 s; RESULTS.md, session 50).
+HALF_STEPS_FROM = 256
+
+
 def default_token_buckets(max_num_batched_tokens: int, min_bucket: int = 8,
                           linear_step: int | None = None) -> tuple[int, ...]:
-    """Buckets for T, the tokens of one step (8, 16, 32, ... up to max_num_batched_tokens).
+    """Buckets for T, the tokens of one step (8, 16, 32, ..., 256, 384, 512, 768, ... up to
+    max_num_batched_tokens: powers of two, and 1.5 times each from `HALF_STEPS_FROM` up).
 
     The 8-token bucket is for decodes of up to 8 sequences: there attention splits each sequence's keys
     4 ways rather than 2 (`gpu_mosaic.tuned_config` counts the bucket's tokens), one 64-key block per
     program at 256 tokens. On an H200 the 8B model's batch-1 attention took 4.9 µs + a 1.4 µs fusion per
     layer against 8.5 µs in a 16-token bucket, and the step 4.47 ms against 4.51 (means over three
     machines, RESULTS.md session 33)."""
-    return make_buckets(max_num_batched_tokens, min_bucket, linear_step)
+    sizes = make_buckets(max_num_batched_tokens, min_bucket, linear_step)
+    halves = {s + s // 2 for s in sizes if s >= HALF_STEPS_FROM and s + s // 2 < max_num_batched_tokens}
+    return tuple(sorted(set(sizes) | halves))
 
 
 def default_seq_buckets(max_num_seqs: int, min_bucket: int = 8) -> tuple[int, ...]:
@@ -102,7 +114,8 @@ def max_padding_waste(buckets: Sequence[int]) -> float:
 # and few sequences (long prompt chunks) then pad their rows a little (an LM-head row costs 1/13 of a
 # token's matmul FLOPs in the 8B shape, so T / 4 rows at most ~2% of the step's; plus their sampler rows),
 # and the number of (T, S) programs to compile drops: 38 with no floor, 23 with T / 8, 18 with T / 4 for
-# the default buckets of 2048 tokens / 256 sequences (cold warm-up of the 8B buckets on an H200: 69.9 s
+# the powers of two from 16 up to 2048 tokens / 256 sequences (19 from 8; 23 with the default buckets' 384, 768
+# and 1536) (cold warm-up of the 8B buckets on an H200: 69.9 s
 # with T / 8, 52.7 s with T / 4).
 TOKENS_PER_SEQ_ROW = 4
 

@@ -16,9 +16,11 @@ from jengine.buckets import (
 from jengine.kernels_pallas.ragged_paged_attention.blocks import is_decode_bucket
 
 
-def test_token_buckets_double_from_16_and_end_at_the_budget():
-    assert default_token_buckets(512) == (8, 16, 32, 64, 128, 256, 512)
-    assert default_token_buckets(600) == (8, 16, 32, 64, 128, 256, 512, 600)
+def test_token_buckets_double_from_8_add_half_steps_from_256_and_end_at_the_budget():
+    assert default_token_buckets(512) == (8, 16, 32, 64, 128, 256, 384, 512)
+    assert default_token_buckets(600) == (8, 16, 32, 64, 128, 256, 384, 512, 600)
+    assert default_token_buckets(2048) == (8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert default_token_buckets(128) == (8, 16, 32, 64, 128)
     assert default_token_buckets(8) == (8,)
 
 
