@@ -84,6 +84,18 @@ def test_prefill_first_with_chunks_and_preemption_matches_transformers():
     _assert_no_leak(llm)
 
 
+def test_prefill_first_is_a_server_and_cli_flag():
+    import argparse
+
+    from jengine.cli import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]))["prefill_first"] is False
+    assert engine_kwargs(parser.parse_args(["--prefill-first"]))["prefill_first"] is True
+    assert engine_kwargs(parser.parse_args(["--prefill-first", "--no-prefill-first"]))["prefill_first"] is False
+
+
 def _assert_prompt_logprobs_match_logits(llm, prompt, k=2):
     cfg, params = load_model(FIXTURE, dtype="float32")
     logits = prompt_logits(cfg, params, prompt)
