@@ -114,9 +114,8 @@ def max_padding_waste(buckets: Sequence[int]) -> float:
 # and few sequences (long prompt chunks) then pad their rows a little (an LM-head row costs 1/13 of a
 # token's matmul FLOPs in the 8B shape, so T / 4 rows at most ~2% of the step's; plus their sampler rows),
 # and the number of (T, S) programs to compile drops: 38 with no floor, 23 with T / 8, 18 with T / 4 for
-# the powers of two from 16 up to 2048 tokens / 256 sequences (19 from 8; 23 with the default buckets' 384, 768
-# and 1536) (cold warm-up of the 8B buckets on an H200: 69.9 s
-# with T / 8, 52.7 s with T / 4).
+# the powers of two from 16 up to 2048 tokens / 256 sequences (cold warm-up of the 8B buckets on an H200:
+# 69.9 s with T / 8, 52.7 s with T / 4). Today's default buckets make 23: 8 to 2048 with 384, 768 and 1536.
 TOKENS_PER_SEQ_ROW = 4
 
 
