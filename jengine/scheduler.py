@@ -18,7 +18,9 @@ unfinished ones hold a full step's budget of tokens, a step runs only prompt wor
 running requests that decode, and they wait. A burst of prompts (an offline batch) then ends sooner and
 every request decodes in full batches after it, as in vLLM v0 without chunked prefill or SGLang without
 mixed chunks; with less prompt work queued, steps mix as above, so a few arrivals do not stall the
-decodes. The cost: decodes stall while a burst or a long prompt is prefilled (inter-token latency).
+decodes, and so does a step in which no prompt work can run alone (its pages are not free; the mixed
+step may still start a smaller chunk in the budget the decodes leave). The cost: decodes stall while a
+burst or a long prompt is prefilled (inter-token latency).
 
 Prefix caching: a waiting request starts after the longest run of cached full pages matching its
 tokens, always leaving at least its last token to compute. Pages are registered as soon as a step
