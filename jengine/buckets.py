@@ -47,7 +47,8 @@ HALF_STEPS_FROM = 256
 def default_token_buckets(max_num_batched_tokens: int, min_bucket: int = 8,
                           linear_step: int | None = None) -> tuple[int, ...]:
     """Buckets for T, the tokens of one step (8, 16, 32, ..., 256, 384, 512, 768, ... up to
-    max_num_batched_tokens: powers of two, and 1.5 times each from `HALF_STEPS_FROM` up).
+    max_num_batched_tokens: powers of two, and 1.5 times each from `HALF_STEPS_FROM` up; with
+    `linear_step`, `make_buckets`' sizes alone).
 
     The 8-token bucket is for decodes of up to 8 sequences: there attention splits each sequence's keys
     4 ways rather than 2 (`gpu_mosaic.tuned_config` counts the bucket's tokens), one 64-key block per
@@ -55,6 +56,8 @@ def default_token_buckets(max_num_batched_tokens: int, min_bucket: int = 8,
     layer against 8.5 µs in a 16-token bucket, and the step 4.47 ms against 4.51 (means over three
     machines, RESULTS.md session 33)."""
     sizes = make_buckets(max_num_batched_tokens, min_bucket, linear_step)
+    if linear_step is not None:  # linear steps above some size instead
+        return sizes
     halves = {s + s // 2 for s in sizes if s >= HALF_STEPS_FROM and s + s // 2 < max_num_batched_tokens}
     return tuple(sorted(set(sizes) | halves))
 

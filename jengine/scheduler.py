@@ -11,16 +11,20 @@ Order within a step, under a budget of `max_num_batched_tokens` tokens and `max_
   2. if nobody was preempted this step: swapped-out requests and waiting requests, oldest first (by
      the policy's key), admitted until one does not fit. Admission never skips ahead of a request
      that does not fit, so nobody starves, and preempted requests regain their place by arrival.
-     At most `max_num_seqs` requests run at once.
+     Admission never lets more than `max_num_seqs` requests run (forks of a running request, for
+     parallel sampling or beam search, may add more).
 
 With `prefill_first`, while the prompts that could start (queued, within `max_num_seqs`) and the
 unfinished ones hold a full step's budget of tokens, a step runs only prompt work: step 1 skips the
 running requests that decode, and they wait. A burst of prompts (an offline batch) then ends sooner and
 every request decodes in full batches after it, as in vLLM v0 without chunked prefill or SGLang without
 mixed chunks; with less prompt work queued, steps mix as above, so a few arrivals do not stall the
-decodes, and so does a step in which no prompt work can run alone (its pages are not free; the mixed
-step may still start a smaller chunk in the budget the decodes leave). The cost: decodes stall while a
-burst or a long prompt is prefilled (inter-token latency).
+decodes. Prompt-only steps preempt nobody: one ends at a prompt whose next chunk finds no free pages,
+and one that would hold nothing gives way to the mixed order, which preempts as usual (and may start
+a smaller chunk of that prompt in the budget the decodes leave). Swapped-out requests (decodes) may return in a
+prompt-only step, in their turn. The queued prompts are counted at full length (prefix-cache hits not
+subtracted), and under policy="priority" a burst of low-priority prompts stalls urgent decodes too.
+The cost: decodes stall while a burst or a long prompt is prefilled (inter-token latency).
 
 Prefix caching: a waiting request starts after the longest run of cached full pages matching its
 tokens, always leaving at least its last token to compute. Pages are registered as soon as a step
@@ -301,7 +305,7 @@ class Scheduler:
         self._finished_ids = []
         if self.prefill_first and self._prompts_fill_a_step():
             self._fill(out, prompts_only=True)
-            if out.scheduled or out.preempted:
+            if out.scheduled:
                 return out
         self._fill(out, prompts_only=False)
         return out
@@ -318,7 +322,9 @@ class Scheduler:
 
     def _fill(self, out: SchedulerOutput, prompts_only: bool) -> None:
         """Schedule running requests (all, or only those with prompt tokens left), then admit queued
-        ones unless that preempted anybody."""
+        ones unless that preempted anybody. Prompt-only steps preempt nobody: where a prompt's next chunk
+        finds no pages they stop there, and if they hold nothing the mixed step runs instead (a prompt
+        that preempted itself there would be readmitted and preempted again while no decode ran)."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         i = 0
@@ -331,6 +337,8 @@ class Scheduler:
                 continue
             # Later entries of `running` are not scheduled yet, so the queue's tail is the victim.
             fits = bm.can_append_slots(request, num_new)
+            if not fits and prompts_only:
+                return
             while not fits and self.running[-1] is not request:
                 self._preempt(self.running[-1], out)
                 fits = bm.can_append_slots(request, num_new)

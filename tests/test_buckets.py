@@ -21,6 +21,7 @@ def test_token_buckets_double_from_8_add_half_steps_from_256_and_end_at_the_budg
     assert default_token_buckets(600) == (8, 16, 32, 64, 128, 256, 384, 512, 600)
     assert default_token_buckets(2048) == (8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
     assert default_token_buckets(128) == (8, 16, 32, 64, 128)
+    assert default_token_buckets(2048, linear_step=512) == (8, 16, 32, 64, 128, 256, 512, 1024, 1536, 2048)
     assert default_token_buckets(8) == (8,)
 
 

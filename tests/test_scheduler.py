@@ -159,29 +159,55 @@ def test_prefill_first_decodes_when_the_queued_prompts_cannot_get_pages():
     assert_no_leaks(sched)
 
 
-def test_prefill_first_lets_decodes_run_when_queued_prompts_cannot_start():
-    # max_num_seqs reached: the waiting prompt cannot start, so the step decodes instead of idling.
-    sched = make(max_num_seqs=2, prefill_first=True)
-    for i, rid in enumerate("ab"):
-        sched.add_request(req(rid, 3, max_tokens=3, arrival=i))
-    assert plan(step(sched)[0]) == [("a", 0, 3, True), ("b", 0, 3, True)]
-    sched.add_request(req("c", 3, max_tokens=1, arrival=2))
-    out, _ = step(sched)
-    assert plan(out) == [("a", 3, 1, True), ("b", 3, 1, True)] and len(sched.waiting) == 1
-    out, done = step(sched)  # a and b end here
-    assert plan(out) == [("a", 4, 1, True), ("b", 4, 1, True)] and len(done) == 2
-    assert plan(step(sched)[0]) == [("c", 0, 3, True)]
+def test_prefill_first_counts_only_the_queued_prompts_that_have_a_seat():
+    # max_num_seqs=2: a decodes and p has 2 prompt tokens left; c's 10 have no seat, so the prompts do not fill
+    # a step (2 < 8) and the step mixes a's decode with p's last chunk.
+    sched = make(max_num_seqs=2, max_num_batched_tokens=8, prefill_first=True)
+    sched.add_request(req("a", 3, max_tokens=6, arrival=0))
+    step(sched)
+    sched.add_request(req("p", range(50, 60), max_tokens=2, arrival=1))
+    assert plan(step(sched)[0]) == [("p", 0, 8, False)]  # 10 prompt tokens with a seat: a waits
+    sched.add_request(req("c", range(70, 80), max_tokens=1, arrival=2))
+    assert plan(step(sched)[0]) == [("a", 3, 1, True), ("p", 8, 2, True)]
+    assert plan(step(sched)[0]) == [("a", 4, 1, True), ("p", 10, 1, True)]  # p ends: c gets its seat
+    assert plan(step(sched)[0]) == [("c", 0, 8, False)]
+    while sched.has_unfinished():
+        step(sched)
     assert_no_leaks(sched)
 
 
 def test_admission_never_runs_more_than_max_num_seqs_requests():
-    # With prefill_first, a step holds only prompts, so admission counts the running queue, not the step.
-    sched = make(max_num_seqs=3, prefill_first=True)
-    for i in range(5):
-        sched.add_request(req(f"r{i}", 3, max_tokens=4, arrival=i))
+    # A prompt-only step holds fewer requests than are running, so admission counts the running queue: here
+    # cached prefixes leave each newcomer 1 token to compute, and without that count all four would start.
+    sched = make(max_num_seqs=3, max_num_batched_tokens=8, prefill_first=True)
+    shared = list(range(200, 208))
+    sched.add_request(req("a", shared + [1], max_tokens=8, arrival=0))
+    for _ in range(3):
+        step(sched)
+    for i in range(4):
+        sched.add_request(req(f"w{i}", shared + [10 + i], max_tokens=8, arrival=1 + i))
     while sched.has_unfinished():
         step(sched)
-        assert len(sched.running) + len(sched.finishing) <= 3
+        assert len(sched.running) <= 3
+    assert_no_leaks(sched)
+
+
+def test_prefill_first_never_preempts_in_a_prompt_only_step():
+    # Recompute, no prefix caching, 6 pages: d holds 3 when p and q (16 tokens each) arrive. A prompt whose next
+    # chunk found no pages used to preempt itself in a prompt-only step, be readmitted, and do it again, while d
+    # never decoded and so never freed a page. Such a step now gives way to the mixed order.
+    sched = make(num_blocks=7, max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=False,
+                 prefill_first=True)
+    sched.add_request(req("d", range(100, 108), max_tokens=12, arrival=0))
+    step(sched)
+    step(sched)
+    sched.add_request(req("p", range(200, 216), max_tokens=4, arrival=1))
+    sched.add_request(req("q", range(300, 316), max_tokens=4, arrival=2))
+    steps = 0
+    while sched.has_unfinished():
+        step(sched)
+        steps += 1
+        assert steps < 60, "no progress"
     assert_no_leaks(sched)
 
 
@@ -416,7 +442,7 @@ def test_duplicate_request_id_is_rejected():
 @pytest.mark.parametrize(("seed", "mode", "chunked", "caching", "prefill_first"), [
     (0, "recompute", True, True, False), (1, "swap", True, True, False), (2, "recompute", False, True, False),
     (3, "swap", False, False, False), (4, "recompute", True, True, True), (5, "swap", True, False, True),
-    (6, "swap", False, True, True),
+    (6, "swap", False, True, True), (7, "recompute", True, False, True),
 ])
 def test_random_workload_on_a_tight_pool_keeps_every_token_right_and_leaks_nothing(
         seed, mode, chunked, caching, prefill_first):
