@@ -40,6 +40,7 @@ through `finish_request`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from bisect import insort
 from collections.abc import Iterable, Sequence
@@ -311,14 +312,22 @@ class Scheduler:
         return out
 
     def _prompts_fill_a_step(self) -> bool:
-        """Whether unfinished prompts and those that could start hold `max_num_batched_tokens` tokens."""
-        tokens = sum(r.num_tokens_to_compute for r in self.running if not _decodes(r))
+        """Whether the prompts that could start and the unfinished ones hold `max_num_batched_tokens` tokens.
+        Runs every step: it stops counting as soon as they do, the queued requests (a burst's) first."""
+        budget = self.max_num_batched_tokens
         seats = self.max_num_seqs - len(self.running)
-        for queue in (self.swapped, self.waiting):
-            for request in queue[:max(seats, 0)]:
+        tokens = 0
+        for request in itertools.chain(self.swapped, self.waiting):
+            if seats <= 0 or tokens >= budget:
+                break
+            tokens += request.num_tokens_to_compute
+            seats -= 1
+        for request in self.running:
+            if tokens >= budget:
+                break
+            if not _decodes(request):
                 tokens += request.num_tokens_to_compute
-            seats -= len(queue)
-        return tokens >= self.max_num_batched_tokens
+        return tokens >= budget
 
     def _fill(self, out: SchedulerOutput, prompts_only: bool) -> None:
         """Schedule running requests (all, or only those with prompt tokens left), then admit queued
