@@ -34,8 +34,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-buckets", type=positive_int, nargs="+", default=None)
     parser.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--prefill-first", action="store_true",
-                        help="the engine's prefill_first: prompt-only steps while prompts fill a step")
+    parser.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine's prefill_first: prompt-only steps while prompts fill a step (default: "
+                             "the offline LLM's, on)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     parser.add_argument("--compilation-cache-dir", default=None,
                         help="JAX's and jengine's compile caches (default: the engine's); 'none' compiles afresh")

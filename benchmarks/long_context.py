@@ -33,7 +33,10 @@ from common import (
 def run_mode(args, chunked: bool) -> dict:
     from jengine import SamplingParams
 
-    overrides = {"enable_chunked_prefill": chunked}
+    # A server's order unless asked otherwise: the running decodes keep stepping while a long prompt arrives
+    # (the offline LLM's default, prompt-only steps, would stall them for the whole prompt).
+    overrides = {"enable_chunked_prefill": chunked,
+                 "prefill_first": False if args.prefill_first is None else args.prefill_first}
     if not chunked:
         overrides["max_num_batched_tokens"] = max(args.max_num_batched_tokens, args.max_model_len)
         if args.token_buckets:

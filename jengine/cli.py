@@ -31,9 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"))
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=None,
                         help="while queued prompts fill a step's --max-num-batched-tokens, steps run no decodes: "
-                             "a burst of prompts (an offline batch) ends sooner, decodes stall during it")
+                             "a burst of prompts (an offline batch) ends sooner, decodes stall during it "
+                             "(default: on for `generate`, off for `serve`)")
     parser.add_argument("--compilation-cache-dir", default=EngineConfig.compilation_cache_dir,
                         help="where compiled programs are kept between starts (JAX's cache and jengine's "
                              f"executables; default {EngineConfig.compilation_cache_dir}); 'none' turns it off")

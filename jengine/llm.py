@@ -38,6 +38,8 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM argument(s) {unknown}; allowed: {sorted(fields - {'model'})}")
         progress = use_tqdm_on_load
+        if engine_args.get("prefill_first") is None:  # the offline default (EngineConfig.prefill_first)
+            engine_args["prefill_first"] = True
         config = EngineConfig(model=model, **engine_args)
         self.engine = build_engine(config, progress=progress)
         self._ids = itertools.count()

@@ -67,9 +67,10 @@ def test_engine_flags_pass_the_compilation_cache_dir_or_turn_it_off():
     # the KV page size: the engine's default unless asked
     assert "block_size" not in engine_args(parser.parse_args([]))
     assert engine_args(parser.parse_args(["--block-size", "64"]))["block_size"] == 64
-    # prompt-only steps while prompts fill a step: off unless asked
-    assert engine_args(parser.parse_args([]))["prefill_first"] is False
+    # prompt-only steps while prompts fill a step: the offline LLM's default (on) unless named
+    assert "prefill_first" not in engine_args(parser.parse_args([]))
     assert engine_args(parser.parse_args(["--prefill-first"]))["prefill_first"] is True
+    assert engine_args(parser.parse_args(["--no-prefill-first"]))["prefill_first"] is False
     # bad engine flags are usage errors, not tracebacks from the engine's constructor
     for bad in (["--block-size", "24"], ["--max-num-seqs", "0"], ["--token-buckets", "64", "-8"],
                 ["--gpu-memory-utilization", "0"], ["-tp", "0"]):

@@ -91,9 +91,15 @@ def test_prefill_first_is_a_server_and_cli_flag():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_kwargs(parser.parse_args([]))["prefill_first"] is False
+    assert engine_kwargs(parser.parse_args([]))["prefill_first"] is None  # by entry point: see below
     assert engine_kwargs(parser.parse_args(["--prefill-first"]))["prefill_first"] is True
     assert engine_kwargs(parser.parse_args(["--prefill-first", "--no-prefill-first"]))["prefill_first"] is False
+
+
+def test_the_offline_llm_runs_prompts_first_unless_told_otherwise(llm):
+    # an engine built from a config (AsyncLLM, the server) keeps it off, and a value given stays:
+    # test_engine_config.py
+    assert llm.engine.config.prefill_first is True and llm.engine.scheduler.prefill_first is True
 
 
 def _assert_prompt_logprobs_match_logits(llm, prompt, k=2):

@@ -39,3 +39,17 @@ def test_numpy_scalars_and_paths_are_taken_as_plain_values(tmp_path):
     assert (cfg.max_num_seqs, cfg.block_size, cfg.gpu_memory_utilization, cfg.seed) == (64, 16, 0.5, 3)
     assert type(cfg.max_num_seqs) is int and type(cfg.gpu_memory_utilization) is float
     assert cfg.enable_prefix_caching is False and cfg.token_buckets == (16, 64)
+
+
+def test_prefill_first_defaults_by_entry_point():
+    """Unset, prefill_first is off for an engine built from a config (a server's AsyncLLM) and on for the
+    offline LLM (test_engine.py checks that side); a value given stays."""
+    from jengine.config import ModelConfig
+    from jengine.presets import resolve_model
+
+    cfg = ModelConfig.from_model_dir(resolve_model("jengine/tiny-llama")[0])
+    assert EngineConfig(model="jengine/tiny-llama").prefill_first is None
+    assert EngineConfig(model="jengine/tiny-llama").resolve(cfg, "cpu", 1).prefill_first is False
+    for value in (True, False):
+        given = EngineConfig(model="jengine/tiny-llama", prefill_first=value)
+        assert given.resolve(cfg, "cpu", 1).prefill_first is value
