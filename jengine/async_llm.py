@@ -54,7 +54,8 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
 class AsyncLLM:
     """An `LLMEngine` driven by a background thread; `generate` streams cumulative `RequestOutput`s.
 
-    `AsyncLLM(model, **engine_args)` builds the engine (same keywords as `LLM`);
+    `AsyncLLM(model, **engine_args)` builds the engine (same keywords as `LLM`; unset, `prefill_first` is
+    off here, where a burst of arrivals would stall the running streams, and on in `LLM`);
     `AsyncLLM.from_engine(engine)` wraps an existing one. `stat_logger(engine, outputs)` is called on the
     engine thread after every iteration and `on_abort(request_id)` when a live request is aborted
     (for metrics).

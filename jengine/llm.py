@@ -29,7 +29,8 @@ class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
     `LLM(model="path/to/hf_dir" or a preset, dtype=..., max_model_len=..., ...)`; every keyword is a
-    field of `EngineConfig` (vLLM's engine argument names).
+    field of `EngineConfig` (vLLM's engine argument names). Unset, `prefill_first` is on here: a batch's
+    prompts run first, in full steps, and its decodes after them (EngineConfig.prefill_first).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, use_tqdm_on_load: bool = True, **engine_args):
