@@ -19,7 +19,7 @@ from jengine.quantization import QUANTIZATIONS
 H200_COPY_BW = 4.3e12  # bytes/s, measured device copy ceiling (shared/BENCHMARKS.md)
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+def add_engine_flags(parser: argparse.ArgumentParser, prefill_first_default: str = "the offline LLM's, on") -> None:
     parser.add_argument("--model", default="jengine/llama-3.1-8b", help="model dir or preset (dummy weights)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
@@ -36,7 +36,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine's prefill_first: prompt-only steps while prompts fill a step (default: "
-                             "the offline LLM's, on)")
+                             f"{prefill_first_default})")
     parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     parser.add_argument("--compilation-cache-dir", default=None,
                         help="JAX's and jengine's compile caches (default: the engine's); 'none' compiles afresh")
@@ -235,11 +235,13 @@ def build_llm(args, label: str = "", **overrides):
 
     t0 = time.perf_counter()
     llm = LLM(args.model, use_tqdm_on_load=False, **engine_args(args, **overrides))
+    if getattr(args, "prefill_first", False) is None:  # the JSON's args record what the engine ran
+        args.prefill_first = llm.engine.config.prefill_first
     mem = getattr(llm.engine, "kv_cache_memory", None)
     share = "" if mem is None else (f" = {mem['kv_bytes'] / 2**30:.1f} GiB, {100 * mem['kv_fraction_of_free']:.1f}% of "
                                     f"the {mem['free_after_weights'] / 2**30:.1f} GiB free after the weights")
     print(f"{label}start-up {time.perf_counter() - t0:.1f}s ({llm.engine.num_compiled_buckets} buckets), "
-          f"KV cache {llm.engine.kv_cache_tokens} tokens{share}")
+          f"KV cache {llm.engine.kv_cache_tokens} tokens{share}; prefill_first {llm.engine.config.prefill_first}")
     return llm
 
 

@@ -106,7 +106,7 @@ def run_mode(args, chunked: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_flags(parser)
+    add_engine_flags(parser, prefill_first_default="off, as a server runs")
     parser.set_defaults(max_model_len=33024, max_num_seqs=64)
     parser.add_argument("--num-decodes", type=positive_int, default=32)
     parser.add_argument("--decode-input-len", type=positive_int, default=128)

@@ -64,7 +64,9 @@ def test_greedy_batch_matches_transformers(llm):
 def test_chunked_prefill_with_tiny_budget_matches_transformers():
     # A fixed pool: on a GPU, engines built earlier in the process still hold device memory, and sizing
     # the pool from what was free found "only 0 KV pages" (H200 runs, benchmarks/RESULTS.md).
-    llm = _make_llm(max_num_batched_tokens=8, token_buckets=(8,), max_num_seqs=4, num_gpu_blocks_override=64)
+    # Off: chunks beside running decodes (the server's order); test_prefill_first_* below has it on.
+    llm = _make_llm(max_num_batched_tokens=8, token_buckets=(8,), max_num_seqs=4, num_gpu_blocks_override=64,
+                    prefill_first=False)
     prompts = [p for p, _ in HF_CASES]
     assert _greedy_tokens(llm, prompts) == [e for _, e in HF_CASES]
     _assert_prompt_logprobs_match_logits(llm, HF_CASES[3][0])  # a prompt split over five chunks

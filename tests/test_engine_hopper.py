@@ -75,7 +75,7 @@ def test_greedy_tokens_match_an_f32_forward_pass(model_dir, reference, mode):
               max_num_batched_tokens=256, token_buckets=(16, 256), seq_buckets=(8,), use_tqdm_on_load=False)
     prompts = _prompts(6, 40, seed=1)
     if mode == "chunked_prefill":  # 32-token steps: prompts are cut into chunks beside running decodes
-        kw.update(max_num_batched_tokens=32, token_buckets=(16, 32))
+        kw.update(max_num_batched_tokens=32, token_buckets=(16, 32), prefill_first=False)
         prompts = _prompts(4, 90, seed=2)
     elif mode == "prefix_caching":
         shared = _prompts(1, 64, seed=3)[0]
@@ -100,8 +100,8 @@ def test_8bit_cache_greedy_tokens_match_the_single_sequence_path(model_dir, mode
     kw = dict(dtype="bfloat16", load_format="dummy", max_model_len=512, max_num_seqs=8, kv_cache_dtype="fp8",
               max_num_batched_tokens=256, token_buckets=(16, 256), seq_buckets=(8,), use_tqdm_on_load=False)
     prompts = _prompts(6, 40, seed=6)
-    if mode == "chunked_prefill":
-        kw.update(max_num_batched_tokens=32, token_buckets=(16, 32))
+    if mode == "chunked_prefill":  # chunks beside running decodes, as above
+        kw.update(max_num_batched_tokens=32, token_buckets=(16, 32), prefill_first=False)
         prompts = _prompts(4, 90, seed=7)
     llm = LLM(model_dir, **kw)
     assert llm.engine.runner.kv_caches[0].dtype == jnp.float8_e4m3fn

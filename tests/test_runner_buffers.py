@@ -19,7 +19,7 @@ from jengine import LLM, SamplingParams
 def llm():
     return LLM("jengine/tiny-llama", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
                token_buckets=(4, 16), seq_buckets=(2, 4), num_gpu_blocks_override=64, compilation_cache_dir=None,
-               use_tqdm_on_load=False)
+               prefill_first=False, use_tqdm_on_load=False)  # off: mixed steps (prompt chunks beside decodes)
 
 
 def _addresses(runner) -> dict:
