@@ -83,8 +83,10 @@ def test_throughput_random_and_chat_like_write_results_and_bound(tmp_path):
 
 def test_throughput_step_log_accounts_for_every_token(tmp_path):
     log_path = tmp_path / "steps.json"
+    # --no-prefill-first: decodes beside prompt chunks, so the log holds all three kinds of step (the offline
+    # default runs the 320 prompt tokens in prompt-only steps first)
     data = _run("throughput", [*ENGINE, "--num-prompts", "8", "--input-len", "40", "--output-len", "5",
-                               "--step-log", str(log_path)], tmp_path)
+                               "--no-prefill-first", "--step-log", str(log_path)], tmp_path)
     with open(log_path) as f:
         log = json.load(f)
     steps = log["steps"]
