@@ -50,7 +50,7 @@ class EngineConfig:
     # sooner and decodes run in full batches after it; decodes stall during the burst. Off: every step runs
     # the decodes first and prompt chunks in the rest of the budget (vLLM v1). None picks by entry point, as
     # vLLM picks some defaults by its usage context: on for the offline `LLM` (a batch handed over at once,
-    # where only its end counts: +3.4-4.7% output tok/s on the throughput run on three H200s, -0.4% on the
+    # where only its end counts: +3.4-4.7% output tok/s on the throughput run on four H200s, -0.4% on the
     # chat-like one; RESULTS.md sessions 50-51), off for an engine built otherwise (`AsyncLLM`, `jengine
     # serve`), whose running streams a burst of arrivals would stall (400 requests at once: TPOT +6%).
     prefill_first: bool | None = None
